@@ -1,0 +1,7 @@
+"""Graph rewrites, installed as ``rope_dedup.passes``: each module one pass or analysis, named for its job.
+
+- :mod:`find_rope_tables` lists the module state a graph reads (the candidates);
+- :mod:`find_mutations` finds values written in place, directly or through views;
+- :mod:`redirect_to_canonical` rewrites uses of duplicate table nodes to the canonical node;
+- :mod:`dedup_rope` is the pass that ties them to the canonical store.
+"""

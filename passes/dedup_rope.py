@@ -1,0 +1,82 @@
+"""The RoPE dedup pass over one GraphModule: candidates -> keys -> shared storage -> rewritten graph."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.fx
+from torch.fx.passes.infra.pass_base import PassResult
+
+from rope_dedup.passes.find_mutations import find_mutations
+from rope_dedup.passes.find_rope_tables import Candidate, find_rope_candidates
+from rope_dedup.passes.redirect_to_canonical import redirect_to_canonical
+from rope_dedup.report import DedupReport
+from rope_dedup.store import CanonicalStore
+
+
+class RopeDedupResult(PassResult):
+    """A ``PassResult`` that also carries the report and what run-time interning needs.
+
+    ``rope_inputs``: example-input position -> (path, kind) of each shared RoPE table, to intern at run time.
+    ``merged_inputs``: groups of input positions whose uses now read the first one; valid only while
+    they share memory, which the backend checks on every call.
+    """
+
+    report: DedupReport
+    rope_inputs: dict[int, tuple[str, str]]
+    merged_inputs: list[tuple[int, ...]]
+
+
+def dedup_rope(
+    gm: torch.fx.GraphModule,
+    example_inputs: Sequence | None = None,
+    *,
+    store: CanonicalStore | None = None,
+) -> RopeDedupResult:
+    """Share identical RoPE tables read by ``gm`` and rewrite the graph to read one node per table.
+
+    Why: every attention layer that builds its own RoPE cache holds an identical copy; at long context
+    that is gigabytes. Buffers and tensor attributes are recognized from their content, keyed, verified
+    equal with ``torch.equal`` and aliased with ``Tensor.set_`` (module attributes keep their identity,
+    so dynamo guards hold). Written tables, trainable parameters and non-RoPE tensors are left alone
+    and listed in the report with the reason. ``example_inputs`` are needed for dynamo graphs, whose
+    state arrives as placeholders; ``store`` lets a backend share across the graphs it compiles.
+    """
+    store = CanonicalStore() if store is None else store
+    candidates = find_rope_candidates(gm, example_inputs)
+    written = find_mutations(gm)
+    kept: list[Candidate] = []
+    for candidate in candidates:
+        offer = store.offer(candidate.tensor, candidate.path, candidate.kind, written.get(candidate.node))
+        if offer.status != "skipped":
+            kept.append(candidate)
+    duplicates, merged = _duplicates_by_memory(kept)
+    modified = redirect_to_canonical(gm, duplicates)
+    result = RopeDedupResult(gm, modified)
+    result.report = DedupReport.from_store(store)
+    result.rope_inputs = {c.input_index: (c.path, c.kind) for c in kept if c.input_index is not None}
+    result.merged_inputs = merged
+    gm.meta["rope_dedup_report"] = result.report
+    return result
+
+
+def _duplicates_by_memory(kept: list[Candidate]) -> tuple[dict, list[tuple[int, ...]]]:
+    """Nodes reading the very same memory (after sharing) -> the first such node in graph order."""
+    first: dict[tuple, Candidate] = {}
+    duplicates: dict[torch.fx.Node, torch.fx.Node] = {}
+    merged: dict[tuple, list[int]] = {}
+    for candidate in kept:
+        t = candidate.tensor
+        where = (t.data_ptr(), t.dtype, tuple(t.shape), tuple(t.stride()))
+        if where not in first:
+            first[where] = candidate
+            merged[where] = [candidate.input_index]
+            continue
+        canonical = first[where]
+        if candidate.node is canonical.node:
+            continue
+        duplicates[candidate.node] = canonical.node
+        merged[where].append(candidate.input_index)
+    groups = [tuple(g) for g in merged.values() if len(g) > 1 and None not in g]
+    return duplicates, groups

@@ -1,0 +1,59 @@
+"""List the module state a graph reads: the candidates the dedup pass examines.
+
+Two graph forms reach the pass. Dynamo graphs (``torch.compile``) receive parameters, buffers, tensor
+attributes and globals as placeholders, matched positionally with ``example_inputs`` (the very tensor
+objects of the model). ``torch.fx.symbolic_trace`` graphs read them through ``get_attr`` nodes on the
+GraphModule. Plain forward arguments are activations, not state, and are not candidates.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+import torch.fx
+
+from rope_dedup.sources import placeholder_origin
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A tensor the graph reads from module state, with the node that reads it."""
+
+    node: torch.fx.Node
+    tensor: torch.Tensor
+    path: str
+    kind: str  # buffer, parameter, attribute or global
+    input_index: int | None  # position in example_inputs for placeholders, None for get_attr
+
+
+def find_rope_candidates(gm: torch.fx.GraphModule, example_inputs: Sequence | None = None) -> list[Candidate]:
+    """Every placeholder fed from module state and every tensor ``get_attr``, in graph order."""
+    candidates: list[Candidate] = []
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    if example_inputs is not None:
+        for index, (node, value) in enumerate(zip(placeholders, example_inputs)):
+            if not isinstance(value, torch.Tensor):
+                continue
+            origin = placeholder_origin(node)
+            if origin.kind == "input":
+                continue
+            kind = "parameter" if isinstance(value, torch.nn.Parameter) else origin.kind
+            candidates.append(Candidate(node, value, origin.path, kind, index))
+    for node in gm.graph.nodes:
+        if node.op != "get_attr":
+            continue
+        owner_path, _, attr = node.target.rpartition(".")
+        owner = gm.get_submodule(owner_path)
+        value = getattr(owner, attr, None)
+        if not isinstance(value, torch.Tensor):
+            continue
+        if attr in owner._parameters:
+            kind = "parameter"
+        elif attr in owner._buffers:
+            kind = "buffer"
+        else:
+            kind = "attribute"
+        candidates.append(Candidate(node, value, node.target, kind, None))
+    return candidates

@@ -1,0 +1,30 @@
+"""rope_dedup: share identical RoPE tables across attention layers, at compile time.
+
+``torch.compile(model, backend=rope_dedup_backend)`` finds every RoPE cos/sin/freqs_cis table the
+compiled graphs read, keys it by (theta, dim, length, dtype, device, layout, scaling), verifies equal
+content, and leaves one storage per distinct table; :func:`dedup_rope` does the same for a plain
+``torch.fx.GraphModule``. Every tensor examined ends up shared or skipped with a reason in the report.
+"""
+
+from rope_dedup.passes.dedup_rope import RopeDedupResult, dedup_rope
+from rope_dedup.backend import RopeDedupBackend, rope_dedup_backend
+from rope_dedup.keys import RopeKey, infer_key
+from rope_dedup.recognize import NotRope, RopeTable, recognize_rope_table
+from rope_dedup.report import DedupReport, Group, Skip
+from rope_dedup.store import CanonicalStore
+
+__all__ = [
+    "CanonicalStore",
+    "DedupReport",
+    "Group",
+    "NotRope",
+    "RopeDedupBackend",
+    "RopeDedupResult",
+    "RopeKey",
+    "RopeTable",
+    "Skip",
+    "dedup_rope",
+    "infer_key",
+    "recognize_rope_table",
+    "rope_dedup_backend",
+]

@@ -1,0 +1,91 @@
+"""``torch.compile`` backend that deduplicates RoPE tables, then hands the graph to an inner backend."""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable, Sequence
+
+import torch
+import torch.fx
+from torch._dynamo.backends.registry import lookup_backend, register_backend
+from torch._dynamo.utils import counters
+
+from rope_dedup.passes.dedup_rope import dedup_rope
+from rope_dedup.interning import InterningCallable
+from rope_dedup.report import DedupReport
+from rope_dedup.store import CanonicalStore
+
+log = logging.getLogger("rope_dedup")
+
+
+def _copy_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A structural copy (state shared, graph copied) to compile if the rewritten one cannot be used."""
+    graph = torch.fx.Graph()
+    output = graph.graph_copy(gm.graph, {})
+    graph.output(output)
+    return torch.fx.GraphModule(gm, graph)
+
+
+class RopeDedupBackend:
+    """A torch.compile backend: share identical RoPE tables, then compile with ``inner``.
+
+    ``inner`` is a backend name (``"inductor"``, ``"aot_eager"``, ``"eager"``) or a backend callable.
+    One instance keeps one canonical store across every graph it compiles, so per-block compiles and
+    graph breaks share too; two instances never share with each other. With ``strict=True`` an
+    unexpected error inside the pass is raised; otherwise the graph is compiled without sharing and the
+    error is logged and kept in ``report.errors``.
+    """
+
+    def __init__(self, inner: str | Callable = "inductor", *, strict: bool = False) -> None:
+        self.inner = inner
+        self.strict = strict
+        self.store = CanonicalStore()
+        self.graphs_compiled = 0
+        self.errors: list[str] = []
+
+    def _inner_backend(self) -> Callable:
+        return lookup_backend(self.inner) if isinstance(self.inner, str) else self.inner
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence) -> Callable:
+        inner = self._inner_backend()
+        pristine = _copy_graph_module(gm)
+        try:
+            result = dedup_rope(gm, example_inputs, store=self.store)
+        except Exception as error:
+            if self.strict:
+                raise
+            message = f"graph {self.graphs_compiled}: pass failed, compiled without sharing: {error!r}"
+            log.error("rope_dedup: %s", message, exc_info=True)
+            self.errors.append(message)
+            counters["rope_dedup"]["pass_errors"] += 1
+            self.graphs_compiled += 1
+            return inner(pristine, example_inputs)
+        self.graphs_compiled += 1
+        counters["rope_dedup"]["graphs"] += 1
+        log.info("rope_dedup: graph %d: %d RoPE input(s) interned, %d merged group(s); %s",
+                 self.graphs_compiled - 1, len(result.rope_inputs), len(result.merged_inputs),
+                 str(self.report).splitlines()[0])
+        compiled = inner(gm, example_inputs)
+        fallback = None
+        if result.merged_inputs:
+            def fallback(args: Sequence) -> Callable:
+                return inner(pristine, list(args))
+        return InterningCallable(compiled, self.store, result.rope_inputs, result.merged_inputs, fallback)
+
+    @property
+    def report(self) -> DedupReport:
+        """Everything this backend has shared or skipped, across all graphs it compiled."""
+        return DedupReport.from_store(self.store, errors=self.errors)
+
+    def report_for(self, model: torch.nn.Module) -> DedupReport:
+        """The report with members named by their full path in ``model`` (useful after regional compile)."""
+        return DedupReport.from_store(self.store, model=model, errors=self.errors)
+
+
+rope_dedup_backend = RopeDedupBackend()
+"""Ready instance with the inductor inner backend: ``torch.compile(model, backend=rope_dedup_backend)``."""
+
+try:
+    register_backend(rope_dedup_backend, name="rope_dedup")
+except Exception as error:  # already registered (module reloaded): keep the first
+    log.debug("rope_dedup: backend name already registered: %r", error)

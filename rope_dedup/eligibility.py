@@ -1,0 +1,26 @@
+"""Safety rules that decide, before any content is read, whether a tensor may be shared at all."""
+
+from __future__ import annotations
+
+import torch
+
+
+def why_not_shareable(tensor: torch.Tensor, kind: str, written: str | None) -> str | None:
+    """Return the reason a tensor must keep its own storage, or None if it may be shared.
+
+    ``kind`` is where it lives (buffer, parameter, attribute, global); ``written`` describes an in-place
+    write the graph performs on it, if any.
+    """
+    if isinstance(tensor, torch.nn.Parameter) and tensor.requires_grad:
+        return "trainable parameter (requires grad): never shared"
+    if tensor.requires_grad:
+        return "requires grad: aliasing would merge gradient flows"
+    if written is not None:
+        return f"written in the graph ({written}): mutable state, never shared"
+    if type(tensor) not in (torch.Tensor, torch.nn.Parameter):
+        return f"tensor subclass {type(tensor).__name__} is not supported"
+    if tensor.is_meta:
+        return "meta tensor: no data to compare"
+    if torch.is_inference(tensor) and not torch.is_inference_mode_enabled():
+        return "inference tensor: cannot be aliased outside inference mode"
+    return None

@@ -1,0 +1,84 @@
+"""Run-time interning: the callable a backend returns shares RoPE inputs it has not seen before.
+
+With regional compilation (each block compiled on its own) or a graph break inside the layer loop,
+dynamo compiles one graph and feeds it every layer's tables as inputs at run time: the compile-time
+pass sees only the first layer. So before each call the compiled callable checks each RoPE input's
+data pointer against the store (a dict lookup: the hot path) and, on first sight of a new table,
+verifies and aliases it (the slow path, once per tensor).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable, Sequence
+
+import torch
+from torch._dynamo.utils import counters
+from torch.utils.weak import WeakIdKeyDictionary
+
+from rope_dedup.store import CanonicalStore
+
+log = logging.getLogger("rope_dedup")
+
+
+class InterningCallable:
+    """Wraps a compiled graph: interns RoPE inputs on first sight, then runs it.
+
+    ``merged_inputs`` are input groups whose uses the pass redirected to the first of the group; the
+    graph is only valid while they share memory. If a caller later passes tables that differ (a buffer
+    replaced with other content after compiling), the un-merged graph from ``fallback`` runs instead.
+    """
+
+    def __init__(
+        self,
+        compiled: Callable,
+        store: CanonicalStore,
+        rope_inputs: dict[int, tuple[str, str]],
+        merged_inputs: list[tuple[int, ...]],
+        fallback: Callable[[Sequence], Callable] | None = None,
+    ) -> None:
+        self._compiled = compiled
+        self._store = store
+        self._rope_inputs = rope_inputs  # input position -> (graph-relative path, kind)
+        self._positions = tuple(rope_inputs)
+        self._merged = merged_inputs
+        self._fallback_factory = fallback
+        self._fallback: Callable | None = None
+        self._rejected = WeakIdKeyDictionary()  # tensors already refused: don't re-examine every call
+
+    def __call__(self, *args):
+        is_interned = self._store.is_interned
+        for position in self._positions:
+            if not is_interned(args[position]):
+                self._intern(position, args[position])
+        for group in self._merged:
+            ptr = args[group[0]].data_ptr()
+            for other in group[1:]:
+                if args[other].data_ptr() != ptr:
+                    return self._run_unmerged(args)
+        # Dynamo calls what a backend returns positionally, whatever ``_boxed_call`` says; so do we.
+        return self._compiled(*args)
+
+    def _intern(self, position: int, tensor: torch.Tensor) -> None:
+        if tensor in self._rejected:
+            return
+        path, kind = self._rope_inputs[position]
+        try:
+            offer = self._store.offer(tensor, path, kind)
+        except Exception as error:  # never let bookkeeping break a forward pass
+            log.warning("rope_dedup: run-time interning of %s failed, left unshared: %r", path, error)
+            counters["rope_dedup"]["intern_errors"] += 1
+            self._rejected[tensor] = True
+            return
+        if offer.status == "skipped":
+            self._rejected[tensor] = True
+        else:
+            counters["rope_dedup"]["interned_at_runtime"] += 1
+
+    def _run_unmerged(self, args: Sequence):
+        if self._fallback is None:
+            log.warning("rope_dedup: RoPE inputs that were identical at compile time now differ "
+                        "(a table was replaced after compiling); running the graph without the merge")
+            counters["rope_dedup"]["fallbacks"] += 1
+            self._fallback = self._fallback_factory(args)
+        return self._fallback(*args)

@@ -1,0 +1,114 @@
+"""Name a recognized RoPE table: theta, rotary dim, length, dtype, device, layout and scaling.
+
+A key is for bucketing and for humans; content equality (``torch.equal``) decides sharing. Numbers in
+a key are rounded to 4 significant digits so that tables built the same way by different code paths
+land in one bucket, where a content mismatch is then reported instead of silently kept apart.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass
+
+import torch
+
+from rope_dedup.recognize import RopeTable
+
+
+@dataclass(frozen=True)
+class RopeKey:
+    """Identity of a RoPE table as a human would state it.
+
+    ``dim`` is the rotary dimension (2 x the number of frequencies); ``length`` the number of
+    positions (None for a bare ``inv_freq``); ``scaling`` is None for a plain geometric progression
+    ``f_j = theta ** (-2j / dim)``, else a signature such as ``linear x4``, ``mscale 1.2`` or
+    ``nonuniform low/8 #a1b2c3`` (llama3, YaRN: high frequencies kept, low ones bent).
+    """
+
+    theta: float
+    dim: int
+    length: int | None
+    dtype: torch.dtype
+    device: torch.device
+    layout: str
+    scaling: str | None = None
+
+    def __str__(self) -> str:
+        parts = [f"theta={self.theta:g}", f"dim={self.dim}", f"len={self.length}", _dtype_name(self.dtype),
+                 str(self.device), self.layout]
+        if self.scaling:
+            parts.append(self.scaling)
+        return " ".join(parts)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _round_sig(value: float, digits: int = 4) -> float:
+    if value == 0 or not math.isfinite(value):
+        return value
+    return round(value, digits - 1 - int(math.floor(math.log10(abs(value)))))
+
+
+def _weighted_line(x: torch.Tensor, y: torch.Tensor, w: torch.Tensor) -> tuple[float, float]:
+    """Weighted least-squares fit y = a + b x; returns (a, b)."""
+    sw = w.sum()
+    mx, my = (w * x).sum() / sw, (w * y).sum() / sw
+    b = (w * (x - mx) * (y - my)).sum() / (w * (x - mx) ** 2).sum()
+    return float(my - b * mx), float(b)
+
+
+def infer_key(table: RopeTable, tensor: torch.Tensor) -> RopeKey:
+    """Infer the :class:`RopeKey` of a recognized table (recognition guarantees >= 2 measurable columns)."""
+    freqs, reliable, tol = table.freqs, table.reliable, table.freq_tol
+    n = freqs.numel()
+    index = torch.arange(n, dtype=torch.float64)
+    safe = torch.where(reliable, freqs, torch.ones_like(freqs))
+    rel_tol = tol / safe
+    log_f = torch.log(safe)
+    # Fit on measurable columns, weighted by how well each frequency is known.
+    weights = torch.where(reliable, 1.0 / rel_tol.clamp_min(1e-12) ** 2, torch.zeros_like(freqs))
+    intercept, slope = _weighted_line(index, log_f, weights)
+    geometric = torch.exp(intercept + slope * index)
+    deviation = (safe / geometric - 1).abs()
+    scaling: list[str] = []
+    if bool((deviation[reliable] <= 4 * rel_tol[reliable] + 1e-6).all()):
+        if abs(math.exp(intercept) - 1) > 1e-4:
+            scaling.append(f"linear x{_round_sig(math.exp(-intercept)):g}")
+    else:
+        intercept, slope, profile = _head_fit(index, log_f, weights, reliable)
+        scaling.append(profile)
+    if abs(table.amplitude - 1) > 1e-3:
+        scaling.append(f"mscale {_round_sig(table.amplitude):g}")
+    theta = math.exp(-slope * n)
+    return RopeKey(
+        theta=_round_sig(theta),
+        dim=2 * n,
+        length=table.length,
+        dtype=tensor.dtype,
+        device=tensor.device,
+        layout=table.layout,
+        scaling=", ".join(scaling) or None,
+    )
+
+
+def _head_fit(index, log_f, weights, reliable) -> tuple[float, float, str]:
+    """Frequencies bent by llama3/YaRN scaling: theta from the unbent high-frequency head, plus a profile.
+
+    The profile names how far the lowest measurable frequency sits below the geometric line, and a short
+    digest of the whole bend so that two different bends never share a key by accident.
+    """
+    n = index.numel()
+    head = torch.zeros(n, dtype=torch.bool)
+    head[: max(3, n // 4)] = True
+    head &= reliable
+    if int(head.sum()) < 2:
+        head = reliable
+    intercept, slope = _weighted_line(index, log_f, torch.where(head, weights, torch.zeros_like(weights)))
+    bend = log_f - (intercept + slope * index)
+    last = int(torch.nonzero(reliable).max())
+    low = math.exp(-float(bend[last]))
+    digest = hashlib.sha1(torch.round(bend[reliable] * 1e3).to(torch.int64).numpy().tobytes()).hexdigest()[:6]
+    return intercept, slope, f"nonuniform low/{_round_sig(low, 3):g} #{digest}"

@@ -1,0 +1,140 @@
+"""The dedup report: what was shared, what was skipped and why, and the bytes it saved.
+
+Bytes are counted by unique storages (``untyped_storage().data_ptr()`` / ``nbytes()``): views and
+aliases make per-tensor sums lie.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from rope_dedup.keys import RopeKey
+
+
+@dataclass(frozen=True)
+class Group:
+    """Tables of identical content now backed by one storage; ``members`` are module paths."""
+
+    key: RopeKey
+    members: list[str]
+    table_bytes: int
+    bytes_before: int
+    bytes_after: int
+    conflict_with: str | None = None  # a table with the same key but different content
+
+    @property
+    def bytes_saved(self) -> int:
+        return self.bytes_before - self.bytes_after
+
+
+@dataclass(frozen=True)
+class Skip:
+    """A tensor the pass examined and left alone, and why."""
+
+    path: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class DedupReport:
+    """Every RoPE table seen, grouped by shared storage, plus every skipped tensor with its reason."""
+
+    groups: list[Group] = field(default_factory=list)
+    skipped: list[Skip] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)  # pass failures that made a graph compile unshared
+
+    @property
+    def bytes_before(self) -> int:
+        return sum(g.bytes_before for g in self.groups)
+
+    @property
+    def bytes_after(self) -> int:
+        return sum(g.bytes_after for g in self.groups)
+
+    @property
+    def bytes_saved(self) -> int:
+        return self.bytes_before - self.bytes_after
+
+    @property
+    def conflicts(self) -> list[Group]:
+        return [g for g in self.groups if g.conflict_with is not None]
+
+    @classmethod
+    def from_store(cls, store, model: torch.nn.Module | None = None, errors: Sequence[str] = ()) -> DedupReport:
+        """Snapshot a :class:`~rope_dedup.store.CanonicalStore`'s live groups and its skip list.
+
+        With ``model``, members are named by their full path in it: under regional compilation the
+        backend sees one block, so the names it recorded are relative to that block (``attn.cos#3``).
+        """
+        full = tensor_paths(model) if model is not None else {}
+        groups = []
+        for group, live in store.snapshot():
+            after = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t, _ in live}
+            table = live[0][0]
+            groups.append(Group(
+                key=group.key,
+                members=[full.get(id(t), m.name) for t, m in live],
+                table_bytes=table.numel() * table.element_size(),
+                bytes_before=sum(m.original_nbytes for _, m in live),
+                bytes_after=sum(after.values()),
+                conflict_with=group.conflict_with,
+            ))
+        skipped = [Skip(path, reason) for path, reason in store.skipped.items()]
+        return cls(groups, skipped, list(errors))
+
+    def __str__(self) -> str:
+        lines = [f"rope_dedup: {len(self.groups)} distinct RoPE table(s), "
+                 f"{sum(len(g.members) for g in self.groups)} tensor(s); "
+                 f"{_fmt_bytes(self.bytes_before)} -> {_fmt_bytes(self.bytes_after)} "
+                 f"(saved {_fmt_bytes(self.bytes_saved)})"]
+        if self.groups:
+            rows = [("key", "tensors", "before", "after", "members")]
+            for g in self.groups:
+                members = ", ".join(g.members[:3]) + (f", ... (+{len(g.members) - 3})" if len(g.members) > 3 else "")
+                rows.append((str(g.key), str(len(g.members)), _fmt_bytes(g.bytes_before),
+                             _fmt_bytes(g.bytes_after), members))
+            lines += _table(rows)
+        for error in self.errors:
+            lines.append(f"ERROR: {error}")
+        for g in self.conflicts:
+            lines.append(f"WARNING: {g.members[0]} has the same key as {g.conflict_with} ({g.key}) "
+                         f"but different content: kept separate")
+        if self.skipped:
+            lines.append(f"skipped {len(self.skipped)}:")
+            by_reason = Counter(s.reason for s in self.skipped)
+            for reason, count in by_reason.items():
+                paths = [s.path for s in self.skipped if s.reason == reason]
+                shown = ", ".join(paths[:4]) + (f", ... (+{count - 4})" if count > 4 else "")
+                lines.append(f"  {reason}: {shown}")
+        return "\n".join(lines)
+
+
+def _table(rows: list[tuple[str, ...]]) -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return ["  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+
+
+def tensor_paths(model: torch.nn.Module) -> dict[int, str]:
+    """id(tensor) -> full path for every parameter, buffer and plain tensor attribute of ``model``."""
+    paths: dict[int, str] = {}
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        attributes = {k: v for k, v in vars(module).items() if isinstance(v, torch.Tensor)}
+        for name, tensor in {**module._parameters, **module._buffers, **attributes}.items():
+            if tensor is not None:
+                paths.setdefault(id(tensor), f"{prefix}.{name}" if prefix else name)
+    return paths
+
+
+def _fmt_bytes(n: int) -> str:
+    if abs(n) < 1000:
+        return f"{n} B"
+    value = float(n)
+    for unit in ("KB", "MB", "GB"):
+        value /= 1000
+        if abs(value) < 1000 or unit == "GB":
+            break
+    return f"{value:.1f} {unit}"

@@ -1,0 +1,202 @@
+"""The canonical store: one storage per distinct RoPE table, shared with ``Tensor.set_``.
+
+One store belongs to one backend instance and outlives the graphs it compiles, because with regional
+compilation or graph breaks a single compiled graph serves every layer and only run-time interning
+can reach the other layers' tables. It holds weak references only: dropping a model frees its tables.
+
+``offer`` is the single entry point for both compile time and run time. It decides (via
+:func:`rope_dedup.eligibility.why_not_shareable` and recognition), then shares; every tensor it is
+offered ends up in a group or in ``skipped`` with a reason, which is what the report reads.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+from rope_dedup.eligibility import why_not_shareable
+from rope_dedup.keys import RopeKey, infer_key
+from rope_dedup.recognize import NotRope, recognize_rope_table
+
+log = logging.getLogger("rope_dedup")
+
+
+def storage_nbytes(tensor: torch.Tensor) -> int:
+    """Bytes of the storage behind a tensor (what freeing it would return), not its view's size."""
+    return tensor.untyped_storage().nbytes()
+
+
+def storage_ptr(tensor: torch.Tensor) -> int:
+    return tensor.untyped_storage().data_ptr()
+
+
+@dataclass
+class _Member:
+    ref: weakref.ref
+    name: str
+    original_nbytes: int  # storage it held alone when first offered (0 if already shared): the "before" side
+
+
+@dataclass
+class _Group:
+    key: RopeKey
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    members: dict[int, _Member] = field(default_factory=dict)  # id(tensor) -> member
+    conflict_with: str | None = None  # name of a table with the same key but different content
+
+    def canonical(self) -> torch.Tensor | None:
+        for member in self.members.values():
+            tensor = member.ref()
+            if tensor is not None:
+                return tensor
+        return None
+
+
+@dataclass(frozen=True)
+class Offer:
+    """Outcome of offering one tensor: ``shared`` (aliased onto a canonical), ``canonical`` (first of
+    its content), ``known`` (already backed by a canonical), or ``skipped`` with ``reason``."""
+
+    status: str
+    key: RopeKey | None = None
+    reason: str | None = None
+
+
+class CanonicalStore:
+    """Canonical RoPE tables by key, verified equal before any sharing, weakly referenced."""
+
+    def __init__(self) -> None:
+        self._groups: list[_Group] = []
+        self._group_of: dict[int, _Group] = {}  # id(tensor) -> group
+        self._ptr_count: dict[int, int] = {}  # data_ptr of live members -> how many
+        self._written = WeakIdKeyDictionary()  # tensors some graph writes in place -> how
+        self.skipped: dict[str, str] = {}
+        self._names: dict[str, int] = {}
+
+    # -- the hot path -------------------------------------------------------------------------------
+    def is_interned(self, tensor: torch.Tensor) -> bool:
+        """Cheap check used on every call: is this tensor's memory a canonical table's?"""
+        return tensor.data_ptr() in self._ptr_count
+
+    # -- deciding and sharing -----------------------------------------------------------------------
+    def offer(self, tensor: torch.Tensor, name: str, kind: str = "buffer", written: str | None = None) -> Offer:
+        """Share ``tensor`` with an equal canonical table if it is an unwritten RoPE table; else record why not."""
+        if id(tensor) in self._group_of:
+            group = self._group_of[id(tensor)]
+            if written is None:
+                return Offer("known", group.key)
+            self._unshare(tensor, group)
+        if written is not None:
+            self._written[tensor] = written
+        elif tensor in self._written:
+            written = f"{self._written[tensor]} (in another compiled graph)"
+        reason = why_not_shareable(tensor, kind, written)
+        if reason is not None:
+            return self._skip(name, reason)
+        group = self._find_equal(tensor)
+        if group is not None:
+            return self._alias(tensor, group, self._unique_name(name))
+        table = recognize_rope_table(tensor)
+        if isinstance(table, NotRope):
+            return self._skip(name, f"not RoPE-like: {table.reason}")
+        return self._new_group(tensor, infer_key(table, tensor), self._unique_name(name))
+
+    def _find_equal(self, tensor: torch.Tensor) -> _Group | None:
+        """The group whose canonical table equals ``tensor`` exactly (same shape, stride, dtype, device)."""
+        for group in self._groups:
+            if group.shape != tuple(tensor.shape) or group.stride != tuple(tensor.stride()):
+                continue
+            if group.key.dtype != tensor.dtype or group.key.device != tensor.device:
+                continue
+            canonical = group.canonical()
+            if canonical is not None and torch.equal(canonical, tensor):
+                return group
+        return None
+
+    def _alias(self, tensor: torch.Tensor, group: _Group, name: str) -> Offer:
+        canonical = group.canonical()
+        # Memory this tensor held on its own before sharing: none if it already lived in the canonical storage.
+        original = 0 if storage_ptr(canonical) == storage_ptr(tensor) else storage_nbytes(tensor)
+        if storage_ptr(canonical) != storage_ptr(tensor) or canonical.storage_offset() != tensor.storage_offset():
+            try:
+                with torch.no_grad():
+                    tensor.set_(canonical.untyped_storage(), canonical.storage_offset(), tensor.size(), tensor.stride())
+            except RuntimeError as error:
+                return self._skip(name, f"could not alias its storage: {str(error).splitlines()[0]}")
+        self._add_member(group, tensor, name, original)
+        return Offer("shared", group.key)
+
+    def _new_group(self, tensor: torch.Tensor, key: RopeKey, name: str) -> Offer:
+        group = _Group(key, tuple(tensor.shape), tuple(tensor.stride()))
+        same_key = [g for g in self._groups if g.key == key]
+        if same_key:
+            first = next(iter(same_key[0].members.values())).name
+            group.conflict_with = first
+            log.warning("rope_dedup: %s has the same key as %s (%s) but different content; kept separate",
+                        name, first, key)
+        self._groups.append(group)
+        self._add_member(group, tensor, name, storage_nbytes(tensor))
+        return Offer("canonical", key)
+
+    def _add_member(self, group: _Group, tensor: torch.Tensor, name: str, original_nbytes: int) -> None:
+        ident = id(tensor)
+        ptr = tensor.data_ptr()
+        group.members[ident] = _Member(weakref.ref(tensor, lambda _: self._forget(ident, ptr)), name,
+                                       original_nbytes)
+        self._group_of[ident] = group
+        self._ptr_count[ptr] = self._ptr_count.get(ptr, 0) + 1
+        self.skipped.pop(name, None)
+
+    def _forget(self, ident: int, ptr: int) -> None:
+        group = self._group_of.pop(ident, None)
+        if group is None:
+            return
+        group.members.pop(ident, None)
+        count = self._ptr_count.get(ptr, 0) - 1
+        if count > 0:
+            self._ptr_count[ptr] = count
+        else:
+            self._ptr_count.pop(ptr, None)
+        if not group.members:
+            self._groups.remove(group)
+
+    def _unshare(self, tensor: torch.Tensor, group: _Group) -> None:
+        """A table found written after it was shared: give it its own storage back before anything runs."""
+        member = group.members[id(tensor)]
+        ptr = tensor.data_ptr()
+        self._forget(id(tensor), ptr)
+        if sum(1 for m in group.members.values() if m.ref() is not None):
+            with torch.no_grad():
+                tensor.set_(tensor.clone(memory_format=torch.preserve_format))
+        log.warning("rope_dedup: %s is written in place by a compiled graph; it no longer shares storage",
+                    member.name)
+
+    def _skip(self, name: str, reason: str) -> Offer:
+        if self.skipped.get(name) != reason:
+            # Weights and activations-like state are the bulk of skips and expected; RoPE-relevant ones are not.
+            routine = reason.startswith(("trainable parameter", "not RoPE-like"))
+            log.log(logging.DEBUG if routine else logging.INFO, "rope_dedup: skipped %s: %s", name, reason)
+        self.skipped[name] = reason
+        return Offer("skipped", reason=reason)
+
+    def _unique_name(self, name: str) -> str:
+        """Regional compile shows every block's table under the same relative path: number repeats."""
+        count = self._names.get(name, 0)
+        self._names[name] = count + 1
+        return name if count == 0 else f"{name}#{count}"
+
+    # -- what the report reads ------------------------------------------------------------------
+    def snapshot(self) -> list[tuple[_Group, list[tuple[torch.Tensor, _Member]]]]:
+        """Live groups with their live members, for the report."""
+        result = []
+        for group in self._groups:
+            live = [(m.ref(), m) for m in group.members.values()]
+            live = [(t, m) for t, m in live if t is not None]
+            if live:
+                result.append((group, live))
+        return result
