@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from typing import Callable, Sequence
 
 import torch
@@ -33,14 +34,16 @@ class RopeDedupBackend:
     One instance keeps one canonical store across every graph it compiles, so per-block compiles and
     graph breaks share too; two instances never share with each other. With ``strict=True`` an
     unexpected error inside the pass is raised; otherwise the graph is compiled without sharing and the
-    error is logged and kept in ``report.errors``.
+    error is logged and kept in ``report.errors``. With ``dry_run=True`` nothing is aliased or
+    rewritten: the report says what would be shared (see :func:`rope_dedup.explain`).
     """
 
-    def __init__(self, inner: str | Callable = "inductor", *, strict: bool = False) -> None:
+    def __init__(self, inner: str | Callable = "inductor", *, strict: bool = False, dry_run: bool = False) -> None:
         self.inner = inner
         self.strict = strict
-        self.store = CanonicalStore()
+        self.store = CanonicalStore(dry_run=dry_run)
         self.graphs_compiled = 0
+        self.pass_seconds = 0.0  # time spent in the dedup pass itself, all graphs together
         self.errors: list[str] = []
 
     def _inner_backend(self) -> Callable:
@@ -49,6 +52,7 @@ class RopeDedupBackend:
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence) -> Callable:
         inner = self._inner_backend()
         pristine = _copy_graph_module(gm)
+        started = time.perf_counter()
         try:
             result = dedup_rope(gm, example_inputs, store=self.store)
         except Exception as error:
@@ -60,6 +64,7 @@ class RopeDedupBackend:
             counters["rope_dedup"]["pass_errors"] += 1
             self.graphs_compiled += 1
             return inner(pristine, example_inputs)
+        self.pass_seconds += time.perf_counter() - started
         self.graphs_compiled += 1
         counters["rope_dedup"]["graphs"] += 1
         log.info("rope_dedup: graph %d: %d RoPE input(s) interned, %d merged group(s); %s",

@@ -47,6 +47,13 @@ class InterningCallable:
         self._rejected = WeakIdKeyDictionary()  # tensors already refused: don't re-examine every call
 
     def __call__(self, *args):
+        if not self.intern_inputs(args):
+            return self._run_unmerged(args)
+        # Dynamo calls what a backend returns positionally, whatever ``_boxed_call`` says; so do we.
+        return self._compiled(*args)
+
+    def intern_inputs(self, args: Sequence) -> bool:
+        """The per-call work: intern unseen RoPE inputs; return whether merged inputs still share memory."""
         is_interned = self._store.is_interned
         for position in self._positions:
             if not is_interned(args[position]):
@@ -55,9 +62,8 @@ class InterningCallable:
             ptr = args[group[0]].data_ptr()
             for other in group[1:]:
                 if args[other].data_ptr() != ptr:
-                    return self._run_unmerged(args)
-        # Dynamo calls what a backend returns positionally, whatever ``_boxed_call`` says; so do we.
-        return self._compiled(*args)
+                    return False
+        return True
 
     def _intern(self, position: int, tensor: torch.Tensor) -> None:
         if tensor in self._rejected:

@@ -75,6 +75,8 @@ class DedupReport:
         for group, live in store.snapshot():
             after = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t, _ in live}
             table = live[0][0]
+            if store.dry_run:  # nothing was aliased: "after" is what sharing would leave
+                after = {0: table.untyped_storage().nbytes()}
             groups.append(Group(
                 key=group.key,
                 members=[full.get(id(t), m.name) for t, m in live],

@@ -70,7 +70,8 @@ class Offer:
 class CanonicalStore:
     """Canonical RoPE tables by key, verified equal before any sharing, weakly referenced."""
 
-    def __init__(self) -> None:
+    def __init__(self, dry_run: bool = False) -> None:
+        self.dry_run = dry_run  # decide and report, but alias nothing (rope_dedup.explain)
         self._groups: list[_Group] = []
         self._group_of: dict[int, _Group] = {}  # id(tensor) -> group
         self._ptr_count: dict[int, int] = {}  # data_ptr of live members -> how many
@@ -122,7 +123,8 @@ class CanonicalStore:
         canonical = group.canonical()
         # Memory this tensor held on its own before sharing: none if it already lived in the canonical storage.
         original = 0 if storage_ptr(canonical) == storage_ptr(tensor) else storage_nbytes(tensor)
-        if storage_ptr(canonical) != storage_ptr(tensor) or canonical.storage_offset() != tensor.storage_offset():
+        moved = storage_ptr(canonical) != storage_ptr(tensor) or canonical.storage_offset() != tensor.storage_offset()
+        if moved and not self.dry_run:
             try:
                 with torch.no_grad():
                     tensor.set_(canonical.untyped_storage(), canonical.storage_offset(), tensor.size(), tensor.stride())

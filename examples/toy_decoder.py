@@ -1,0 +1,229 @@
+"""A toy decoder whose attention layers each own a RoPE module, in the layouts met in the wild.
+
+Used by the tests, the examples and ``rope-dedup profile``. Each layer's :class:`RopeSpec` picks the
+layout, theta, rotary dim, length, dtype and scaling, so homogeneous, local/global (Gemma), partial
+rotary, scaled and mixed-dtype models are one list away. Tables are built the way model code builds
+them (float32 frequencies, float32 angles, cast at the end); nothing here knows about rope_dedup.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+LAYOUTS = ("cos_sin", "hf_halves", "titan_cos_sin", "complex", "stacked", "gptj", "inv_freq", "lazy_cache")
+SCALINGS = (None, "linear", "ntk", "llama3", "yarn")
+
+
+@dataclass(frozen=True)
+class RopeSpec:
+    """How one layer's RoPE table is built."""
+
+    layout: str = "cos_sin"
+    theta: float = 10000.0
+    rotary_dim: int | None = None  # None: the whole head
+    max_len: int = 128
+    dtype: torch.dtype = torch.float32
+    scaling: str | None = None
+    factor: float = 4.0
+
+    def __post_init__(self) -> None:
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"unknown layout {self.layout!r}; choose from {', '.join(LAYOUTS)}")
+        if self.scaling not in SCALINGS:
+            raise ValueError(f"unknown scaling {self.scaling!r}; choose from {SCALINGS}")
+
+
+def inv_freq(spec: RopeSpec, dim: int) -> torch.Tensor:
+    """Frequencies as HF/torchtitan compute them, with the common scaling variants."""
+    theta = spec.theta
+    if spec.scaling == "ntk":
+        theta = theta * spec.factor ** (dim / (dim - 2))
+    freqs = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    if spec.scaling == "linear":
+        freqs = freqs / spec.factor
+    elif spec.scaling == "llama3":
+        old_len, low, high = 8192, 1.0, 4.0
+        wavelen = 2 * math.pi / freqs
+        scaled = torch.where(wavelen > old_len / low, freqs / spec.factor, freqs)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / spec.factor + smooth * scaled
+        medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+        freqs = torch.where(medium, smoothed, scaled)
+    elif spec.scaling == "yarn":
+        old_len, beta_fast, beta_slow = 4096, 32.0, 1.0
+
+        def correction(rotations: float) -> float:
+            return dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+        low, high = max(math.floor(correction(beta_fast)), 0), min(math.ceil(correction(beta_slow)), dim - 1)
+        ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / max(high - low, 1e-3)).clamp(0, 1)
+        extrapolate = 1 - ramp
+        freqs = freqs / spec.factor * (1 - extrapolate) + freqs * extrapolate
+    return freqs
+
+
+def yarn_mscale(spec: RopeSpec) -> float:
+    return 0.1 * math.log(spec.factor) + 1.0 if spec.scaling == "yarn" else 1.0
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class Rope(nn.Module):
+    """Applies rotary embedding to ``x`` of shape (batch, heads, seq, head_dim) from a cached table."""
+
+    def __init__(self, spec: RopeSpec, head_dim: int) -> None:
+        super().__init__()
+        self.spec = spec
+        self.dim = spec.rotary_dim or head_dim
+        freqs = inv_freq(spec, self.dim)
+        angles = torch.outer(torch.arange(spec.max_len, dtype=torch.float32), freqs)
+        mscale = yarn_mscale(spec)
+        cos, sin = angles.cos() * mscale, angles.sin() * mscale
+        dtype, layout = spec.dtype, spec.layout
+        if layout == "cos_sin":
+            self.register_buffer("cos", cos.to(dtype), persistent=False)
+            self.register_buffer("sin", sin.to(dtype), persistent=False)
+        elif layout == "hf_halves":
+            emb = torch.cat((angles, angles), dim=-1)
+            self.register_buffer("cos_cached", (emb.cos() * mscale).to(dtype), persistent=False)
+            self.register_buffer("sin_cached", (emb.sin() * mscale).to(dtype), persistent=False)
+        elif layout == "titan_cos_sin":
+            emb = torch.cat((angles, angles), dim=-1)
+            self.register_buffer("rope_cache", torch.cat([emb.cos(), emb.sin()], -1).to(dtype), persistent=False)
+        elif layout == "complex":
+            complex_dtype = torch.complex32 if dtype in (torch.float16, torch.bfloat16) else torch.complex64
+            self.register_buffer("freqs_cis", torch.polar(torch.full_like(angles, mscale), angles).to(complex_dtype),
+                                 persistent=False)
+        elif layout == "stacked":
+            self.register_buffer("cache", torch.stack([cos, sin], dim=-1).to(dtype), persistent=False)
+        elif layout == "gptj":
+            # GPT-J keeps a plain tensor attribute, not a buffer.
+            self.embed_positions = torch.cat([sin, cos], dim=-1).to(dtype)
+        elif layout == "inv_freq":
+            self.register_buffer("inv_freq", freqs.to(dtype), persistent=False)
+            self.register_buffer("original_inv_freq", freqs.clone().to(dtype), persistent=False)
+        elif layout == "lazy_cache":
+            # rotary-embedding-torch: zeros at init, written in place during forward.
+            self.register_buffer("cached_freqs", torch.zeros(spec.max_len, self.dim // 2, dtype=dtype),
+                                 persistent=False)
+            self.register_buffer("freqs", freqs, persistent=False)
+
+    def cos_sin(self, seq: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(seq, dim) cos and sin in the rotate-half convention, computed from the stored table."""
+        layout = self.spec.layout
+        if layout == "cos_sin":
+            cos, sin = self.cos[:seq], self.sin[:seq]
+        elif layout == "hf_halves":
+            return self.cos_cached[:seq].to(dtype), self.sin_cached[:seq].to(dtype)
+        elif layout == "titan_cos_sin":
+            cache = self.rope_cache[:seq]
+            return cache[:, : self.dim].to(dtype), cache[:, self.dim:].to(dtype)
+        elif layout == "complex":
+            table = self.freqs_cis[:seq].to(torch.complex64)
+            cos, sin = table.real, table.imag
+        elif layout == "stacked":
+            cos, sin = self.cache[:seq, :, 0], self.cache[:seq, :, 1]
+        elif layout == "gptj":
+            sin, cos = self.embed_positions[:seq].chunk(2, dim=-1)
+        elif layout == "inv_freq":
+            angles = torch.outer(torch.arange(seq, device=self.inv_freq.device, dtype=torch.float32),
+                                 self.inv_freq.float())
+            cos, sin = angles.cos(), angles.sin()
+        else:
+            angles = torch.outer(torch.arange(seq, device=self.freqs.device, dtype=torch.float32), self.freqs)
+            self.cached_freqs[:seq] = angles.to(self.cached_freqs.dtype)
+            cos, sin = self.cached_freqs[:seq].float().cos(), self.cached_freqs[:seq].float().sin()
+        cos, sin = cos.to(dtype), sin.to(dtype)
+        return torch.cat([cos, cos], -1), torch.cat([sin, sin], -1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        cos, sin = self.cos_sin(x.shape[-2], x.dtype)
+        rot, rest = x[..., : self.dim], x[..., self.dim:]
+        rot = rot * cos + _rotate_half(rot) * sin
+        return torch.cat([rot, rest], dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, d_model: int, heads: int, spec: RopeSpec) -> None:
+        super().__init__()
+        self.heads, self.head_dim = heads, d_model // heads
+        self.qkv = nn.Linear(d_model, 3 * d_model, bias=False)
+        self.out = nn.Linear(d_model, d_model, bias=False)
+        self.rope = Rope(spec, self.head_dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        q, k, v = self.qkv(x).view(batch, seq, 3, self.heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        q, k = self.rope(q), self.rope(k)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.out(y.transpose(1, 2).reshape(batch, seq, -1))
+
+
+class Block(nn.Module):
+    def __init__(self, d_model: int, heads: int, spec: RopeSpec, graph_break: bool = False) -> None:
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(d_model), nn.LayerNorm(d_model)
+        self.attention = Attention(d_model, heads, spec)
+        self.mlp = nn.Sequential(nn.Linear(d_model, 2 * d_model), nn.GELU(), nn.Linear(2 * d_model, d_model))
+        self.graph_break = graph_break
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.norm1(x))
+        if self.graph_break:
+            torch._dynamo.graph_break()
+        return x + self.mlp(self.norm2(x))
+
+
+class ToyDecoder(nn.Module):
+    """Embedding, one :class:`Block` per spec, norm and head. ``graph_break`` breaks inside every block."""
+
+    def __init__(self, specs: list[RopeSpec], d_model: int = 32, heads: int = 2, vocab: int = 64,
+                 graph_break: bool = False) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d_model)
+        self.layers = nn.ModuleList(Block(d_model, heads, spec, graph_break) for spec in specs)
+        self.norm = nn.LayerNorm(d_model)
+        self.head = nn.Linear(d_model, vocab, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(self.norm(x))
+
+
+def homogeneous(layers: int, **spec) -> list[RopeSpec]:
+    """The same RoPE spec for every layer (the common case: identical copies everywhere)."""
+    return [RopeSpec(**spec)] * layers
+
+
+def local_global(layers: int, every: int = 3, local_theta: float = 1e4, global_theta: float = 1e6,
+                 **spec) -> list[RopeSpec]:
+    """Gemma-style: every ``every``-th layer global (theta 1e6), the rest local (theta 1e4)."""
+    base = RopeSpec(**spec)
+    return [replace(base, theta=global_theta if (i + 1) % every == 0 else local_theta) for i in range(layers)]
+
+
+def rope_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """Every RoPE table the toy model holds, by construction (not by recognition): for tests and profiles."""
+    found = []
+    for name, module in model.named_modules():
+        if isinstance(module, Rope):
+            state = {**dict(module.named_buffers(recurse=False)),
+                     **{k: v for k, v in vars(module).items() if isinstance(v, torch.Tensor)}}
+            found += [(f"{name}.{attr}", tensor) for attr, tensor in state.items()]
+    return found
+
+
+def unique_storages(tensors: list[torch.Tensor]) -> tuple[int, int]:
+    """(count, bytes) of distinct storages behind ``tensors``."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    return len(storages), sum(storages.values())
