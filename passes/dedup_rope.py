@@ -45,7 +45,7 @@ def dedup_rope(
     """
     store = CanonicalStore() if store is None else store
     candidates = find_rope_candidates(gm, example_inputs)
-    written = find_mutations(gm)
+    written = _written_candidates(candidates, find_mutations(gm))
     kept: list[Candidate] = []
     for candidate in candidates:
         offer = store.offer(candidate.tensor, candidate.path, candidate.kind, written.get(candidate.node))
@@ -59,6 +59,23 @@ def dedup_rope(
     result.merged_inputs = merged
     gm.meta["rope_dedup_report"] = result.report
     return result
+
+
+def _written_candidates(candidates: list[Candidate], mutations: dict[torch.fx.Node, str]) -> dict[torch.fx.Node, str]:
+    """Writes per candidate node, extended to every candidate whose storage a written one shares.
+
+    symbolic_trace turns ``self.cos[:2]`` into a constant that aliases ``cos``; dynamo may pass two
+    aliasing buffers as two placeholders. Aliasing one away from the other would lose the write.
+    """
+    written = {c.node: mutations[c.node] for c in candidates if c.node in mutations}
+    storages = {c.tensor.untyped_storage().data_ptr(): c for c in candidates if c.node in written}
+    for candidate in candidates:
+        owner = storages.get(candidate.tensor.untyped_storage().data_ptr())
+        if owner is not None and candidate.node not in written:
+            how = mutations[owner.node]
+            same = candidate.tensor is owner.tensor
+            written[candidate.node] = how if same else f"shares memory with {owner.path}, which is written: {how}"
+    return written
 
 
 def _duplicates_by_memory(kept: list[Candidate]) -> tuple[dict, list[tuple[int, ...]]]:

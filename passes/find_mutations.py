@@ -44,9 +44,11 @@ def _writes_first_arg(node: torch.fx.Node) -> str | None:
             if arg.alias_info is not None and arg.alias_info.is_write:
                 return str(target)
         return None
-    if target is operator.setitem:
-        return "setitem"
     name = _op_name(node)
+    if target is operator.setitem or name == "__setitem__":
+        return "setitem"
+    if name in ("__iadd__", "__isub__", "__imul__", "__itruediv__", "__ipow__", "__iand__", "__ior__"):
+        return name
     if node.op == "call_function" and getattr(target, "__module__", None) == "_operator" and name.startswith("i"):
         return name  # operator.iadd, imul, ... (x += y on a tensor)
     if name.endswith("_") and not name.endswith("__"):
