@@ -1,0 +1,253 @@
+"""The backend end to end on toy decoders: ideal storage counts, equal outputs, no extra recompiles."""
+
+from __future__ import annotations
+
+import gc
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.nn as nn
+from torch._dynamo.utils import counters
+from toy_decoder import LAYOUTS, RopeSpec, ToyDecoder, homogeneous, local_global, rope_tensors, unique_storages
+
+import rope_dedup
+from rope_dedup import RopeDedupBackend
+
+SCENARIOS = {
+    "homogeneous": homogeneous(4),
+    "local_global": local_global(6, every=3),
+    "partial_rotary": [RopeSpec(rotary_dim=8), RopeSpec(), RopeSpec(rotary_dim=8), RopeSpec()],
+    "scaled_vs_plain": [RopeSpec(), RopeSpec(scaling="linear"), RopeSpec(scaling="llama3", theta=5e5),
+                        RopeSpec(theta=5e5), RopeSpec(scaling="yarn"), RopeSpec(), RopeSpec(scaling="linear")],
+    "mixed_dtypes": [RopeSpec(), RopeSpec(dtype=torch.bfloat16), RopeSpec(dtype=torch.float16),
+                     RopeSpec(dtype=torch.bfloat16), RopeSpec()],
+    "mutated_cache": [RopeSpec(layout="lazy_cache")] * 3 + [RopeSpec()] * 2,
+}
+
+
+def ideal_storages(model: nn.Module) -> int:
+    """Distinct tables among what the graph reads, computed from construction (not by the pass).
+
+    Written caches keep one storage each. ``original_inv_freq`` is never read by forward, so no
+    compiled graph (and no compile-time pass) sees it: it keeps its own storage.
+    """
+    distinct: list[torch.Tensor] = []
+    count = 0
+    for name, tensor in rope_tensors(model):
+        if name.endswith(("cached_freqs", "original_inv_freq")):
+            count += 1
+        elif not any(t.dtype == tensor.dtype and t.shape == tensor.shape and torch.equal(t, tensor) for t in distinct):
+            distinct.append(tensor)
+    return count + len(distinct)
+
+
+def rope_storages(model: nn.Module) -> int:
+    return unique_storages([t for _, t in rope_tensors(model)])[0]
+
+
+def compile_model(model: ToyDecoder, backend, mode: str):
+    """``whole``: torch.compile(model); ``regional``: each block compiled on its own (torchtitan)."""
+    if mode == "regional":
+        for i, block in enumerate(model.layers):
+            model.layers[i] = torch.compile(block, backend=backend)
+        return model
+    return torch.compile(model, backend=backend)
+
+
+def build(specs, seed: int = 0, graph_break: bool = False) -> ToyDecoder:
+    torch.manual_seed(seed)
+    return ToyDecoder(specs, graph_break=graph_break)
+
+
+def run_case(specs, inner: str, mode: str):
+    """Compile the same model twice (with and without the pass); return outputs, graph counts, storages."""
+    graph_break = mode == "graph_break"
+    mode = "regional" if mode == "regional" else "whole"
+    tokens = [torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(i)) for i in range(3)]
+
+    plain = compile_model(build(specs, graph_break=graph_break), inner, mode)
+    expected = [plain(t) for t in tokens]
+    plain_graphs = counters["stats"]["unique_graphs"]
+    torch._dynamo.reset()
+    counters.clear()
+
+    model = build(specs, graph_break=graph_break)
+    eager = [model(t) for t in tokens]
+    before = rope_storages(model)
+    ideal = ideal_storages(model)
+    backend = RopeDedupBackend(inner)
+    compiled = compile_model(model, backend, mode)
+    outputs = [compiled(t) for t in tokens]
+    return expected, eager, outputs, plain_graphs, counters["stats"]["unique_graphs"], before, model, ideal, backend
+
+
+def unwrap(model: ToyDecoder) -> ToyDecoder:
+    for i, block in enumerate(model.layers):
+        model.layers[i] = getattr(block, "_orig_mod", block)
+    return model
+
+
+# aot_eager under graph breaks repeats what eager and whole-model aot_eager already cover: slow set.
+INNER_MODES = [("eager", m) for m in ("whole", "graph_break", "regional")] + [
+    ("aot_eager", "whole"), ("aot_eager", "regional"), pytest.param("aot_eager", "graph_break", marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("inner,mode", INNER_MODES)
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+def test_ideal_storages_equal_outputs_no_recompiles(scenario: str, inner: str, mode: str) -> None:
+    expected, eager, outputs, plain_graphs, graphs, before, model, ideal, backend = run_case(
+        SCENARIOS[scenario], inner, mode)
+    for got, want, ref in zip(outputs, expected, eager):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)  # bitwise vs the same compile without the pass
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    assert graphs == plain_graphs
+    assert rope_storages(unwrap(model)) == ideal < before
+    assert not backend.report.errors
+
+
+@pytest.mark.parametrize("mode", ["whole", "graph_break", "regional"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_every_layout_reaches_the_ideal(layout: str, mode: str) -> None:
+    _, eager, outputs, plain_graphs, graphs, before, model, ideal, backend = run_case(
+        homogeneous(4, layout=layout), "eager", mode)
+    for got, ref in zip(outputs, eager):
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    assert graphs == plain_graphs
+    assert rope_storages(unwrap(model)) == ideal < before
+
+
+@pytest.mark.parametrize("mode", ["whole", "graph_break", "regional"])
+@pytest.mark.parametrize("scenario", ["homogeneous", "local_global"])
+def test_inductor(scenario: str, mode: str) -> None:
+    expected, eager, outputs, plain_graphs, graphs, before, model, ideal, _ = run_case(
+        SCENARIOS[scenario], "inductor", mode)
+    for got, want, ref in zip(outputs, expected, eager):
+        torch.testing.assert_close(got, want)
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    assert graphs == plain_graphs
+    assert rope_storages(unwrap(model)) == ideal < before
+
+
+@pytest.mark.parametrize("inner", ["aot_eager", "inductor"])
+def test_training_gradients_equal_eager(inner: str) -> None:
+    specs = local_global(4, every=2)
+    reference, model = build(specs), build(specs)
+    compiled = torch.compile(model, backend=RopeDedupBackend(inner))
+    for step in range(2):
+        tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(step))
+        loss_ref = reference(tokens).logsumexp(-1).mean()
+        loss = compiled(tokens).logsumexp(-1).mean()
+        loss_ref.backward()
+        loss.backward()
+        torch.testing.assert_close(loss, loss_ref, rtol=1e-5, atol=1e-5)
+    for (name, p_ref), (_, p) in zip(reference.named_parameters(), model.named_parameters()):
+        torch.testing.assert_close(p.grad, p_ref.grad, rtol=1e-4, atol=1e-5, msg=name)
+    assert rope_storages(model) == 4
+
+
+def test_report_covers_every_graph_and_names_full_paths() -> None:
+    model = build(local_global(6, every=3))
+    backend = RopeDedupBackend("eager")
+    compile_model(model, backend, "regional")(torch.randint(0, 64, (1, 8)))
+    report = backend.report_for(unwrap(model))
+    by_theta = {g.key.theta: g for g in report.groups if g.key.layout == "cos"}
+    assert by_theta[1e4].members == [f"layers.{i}.attention.rope.cos" for i in (0, 1, 3, 4)]
+    assert by_theta[1e6].members == [f"layers.{i}.attention.rope.cos" for i in (2, 5)]
+    assert report.bytes_after == 4 * 128 * 8 * 4
+    assert report.bytes_before == 12 * 128 * 8 * 4
+    # Relative names before resolving: each block's table under the block's own path, numbered.
+    assert backend.report.groups[0].members[:2] == ["attention.rope.cos", "attention.rope.cos#1"]
+
+
+def test_replaced_table_falls_back_to_unmerged_graph() -> None:
+    """A buffer swapped for different content after compiling must not be read through the merge."""
+    model = build(homogeneous(3))
+    compiled = torch.compile(model, backend=RopeDedupBackend("aot_eager"))
+    tokens = torch.randint(0, 64, (1, 16))
+    compiled(tokens)
+    other = ToyDecoder([RopeSpec(theta=1e6)]).layers[0].attention.rope
+    model.layers[1].attention.rope.cos = other.cos.clone()
+    model.layers[1].attention.rope.sin = other.sin.clone()
+    torch.testing.assert_close(compiled(tokens), model(tokens), rtol=1e-5, atol=1e-5)
+    assert counters["rope_dedup"]["fallbacks"] == 1
+
+
+def test_dropping_a_model_frees_its_tables() -> None:
+    backend = RopeDedupBackend("eager")
+    model = build(homogeneous(3))
+    torch.compile(model, backend=backend)(torch.randint(0, 64, (1, 8)))
+    assert len(backend.report.groups) == 2
+    del model
+    torch._dynamo.reset()  # dynamo's cache holds the frame's guards, which reference the module
+    gc.collect()
+    assert backend.report.groups == []
+
+
+def test_two_backends_never_share() -> None:
+    first, second = build(homogeneous(2)), build(homogeneous(2))
+    tokens = torch.randint(0, 64, (1, 8))
+    torch.compile(first, backend=RopeDedupBackend("eager"))(tokens)
+    torch.compile(second, backend=RopeDedupBackend("eager"))(tokens)
+    first_ptrs = {t.data_ptr() for _, t in rope_tensors(first)}
+    assert first_ptrs.isdisjoint(t.data_ptr() for _, t in rope_tensors(second))
+    assert rope_storages(first) == rope_storages(second) == 2
+
+
+def test_pass_failure_falls_back_loudly_or_raises_when_strict(monkeypatch, caplog) -> None:
+    def broken(*args, **kwargs):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(rope_dedup.backend, "dedup_rope", broken)
+    model = build(homogeneous(2))
+    tokens = torch.randint(0, 64, (1, 8))
+    backend = RopeDedupBackend("eager")
+    torch.testing.assert_close(torch.compile(model, backend=backend)(tokens), model(tokens))
+    assert "boom" in backend.report.errors[0]
+    assert "ERROR: graph 0: pass failed" in str(backend.report)
+    assert any(r.levelname == "ERROR" for r in caplog.records)
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="boom"):
+        torch.compile(model, backend=RopeDedupBackend("eager", strict=True))(tokens)
+
+
+def test_registered_backend_name_and_ready_instance() -> None:
+    assert "rope_dedup" in torch._dynamo.list_backends(exclude_tags=())
+    model = build(homogeneous(2))
+    tokens = torch.randint(0, 64, (1, 8))
+    torch.testing.assert_close(torch.compile(model, backend="rope_dedup")(tokens), model(tokens),
+                               rtol=1e-5, atol=1e-5)
+    assert isinstance(rope_dedup.rope_dedup_backend, RopeDedupBackend)
+    assert rope_dedup.rope_dedup_backend.inner == "inductor"
+    assert rope_storages(model) == 2
+
+
+def test_dry_run_shares_nothing_but_reports() -> None:
+    model = build(homogeneous(3))
+    backend = RopeDedupBackend("eager", dry_run=True)
+    torch.compile(model, backend=backend)(torch.randint(0, 64, (1, 8)))
+    assert rope_storages(model) == 6
+    report = backend.report
+    assert [len(g.members) for g in report.groups] == [3, 3]
+    assert report.bytes_after == report.bytes_before // 3
+
+
+def test_interning_skips_known_tensors_cheaply() -> None:
+    """After the first call, later calls find every RoPE input already interned (pointer check only)."""
+    model = build(homogeneous(4))
+    compile_model(model, RopeDedupBackend("eager"), "regional")
+    tokens = torch.randint(0, 64, (1, 8))
+    model(tokens)
+    interned = counters["rope_dedup"]["interned_at_runtime"]
+    assert interned == 3 * 2  # layer 0 was interned by the compile-time pass
+    model(tokens)
+    assert counters["rope_dedup"]["interned_at_runtime"] == interned
+
+
+def test_mixed_dtype_tables_never_merge_across_dtypes() -> None:
+    model = build([RopeSpec(), replace(RopeSpec(), dtype=torch.bfloat16)] * 2)
+    backend = RopeDedupBackend("eager")
+    torch.compile(model, backend=backend)(torch.randint(0, 64, (1, 8)))
+    dtypes = sorted(str(g.key.dtype) for g in backend.report.groups)
+    assert dtypes == ["torch.bfloat16", "torch.bfloat16", "torch.float32", "torch.float32"]
+    assert rope_storages(model) == 4
