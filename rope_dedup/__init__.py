@@ -12,6 +12,7 @@ from rope_dedup.keys import RopeKey, infer_key
 from rope_dedup.recognize import NotRope, RopeTable, recognize_rope_table
 from rope_dedup.report import DedupReport, Group, Skip
 from rope_dedup.store import CanonicalStore
+from rope_dedup.unshare import unshare
 
 __all__ = [
     "CanonicalStore",
@@ -27,4 +28,5 @@ __all__ = [
     "infer_key",
     "recognize_rope_table",
     "rope_dedup_backend",
+    "unshare",
 ]

@@ -75,7 +75,7 @@ class CanonicalStore:
         self._groups: list[_Group] = []
         self._group_of: dict[int, _Group] = {}  # id(tensor) -> group
         self._ptr_count: dict[int, int] = {}  # data_ptr of live members -> how many
-        self._written = WeakIdKeyDictionary()  # tensors some graph writes in place -> how
+        self._excluded = WeakIdKeyDictionary()  # tensor -> why it must never be shared again
         self.skipped: dict[str, str] = {}
         self._names: dict[str, int] = {}
 
@@ -88,14 +88,14 @@ class CanonicalStore:
     def offer(self, tensor: torch.Tensor, name: str, kind: str = "buffer", written: str | None = None) -> Offer:
         """Share ``tensor`` with an equal canonical table if it is an unwritten RoPE table; else record why not."""
         if id(tensor) in self._group_of:
-            group = self._group_of[id(tensor)]
             if written is None:
-                return Offer("known", group.key)
-            self._unshare(tensor, group)
+                return Offer("known", self._group_of[id(tensor)].key)
+            log.warning("rope_dedup: %s is written in place by a graph compiled later; unsharing it", name)
+            self.release(tensor)
         if written is not None:
-            self._written[tensor] = written
-        elif tensor in self._written:
-            written = f"{self._written[tensor]} (in another compiled graph)"
+            self._excluded[tensor] = f"written in the graph ({written}) of another compiled graph"
+        elif tensor in self._excluded:
+            return self._skip(name, self._excluded[tensor])
         reason = why_not_shareable(tensor, kind, written)
         if reason is not None:
             return self._skip(name, reason)
@@ -167,16 +167,24 @@ class CanonicalStore:
         if not group.members:
             self._groups.remove(group)
 
-    def _unshare(self, tensor: torch.Tensor, group: _Group) -> None:
-        """A table found written after it was shared: give it its own storage back before anything runs."""
+    def release(self, tensor: torch.Tensor, reason: str | None = None) -> bool:
+        """Give a shared tensor its own storage back; with ``reason``, never share it again.
+
+        Used when a graph compiled later turns out to write a table shared earlier (before that graph
+        runs), and by :func:`rope_dedup.unshare`. Returns whether the tensor was a member.
+        """
+        if reason is not None:
+            self._excluded[tensor] = reason
+        group = self._group_of.get(id(tensor))
+        if group is None:
+            return False
         member = group.members[id(tensor)]
-        ptr = tensor.data_ptr()
-        self._forget(id(tensor), ptr)
-        if sum(1 for m in group.members.values() if m.ref() is not None):
+        self._forget(id(tensor), tensor.data_ptr())
+        if any(m.ref() is not None for m in group.members.values()):
             with torch.no_grad():
                 tensor.set_(tensor.clone(memory_format=torch.preserve_format))
-        log.warning("rope_dedup: %s is written in place by a compiled graph; it no longer shares storage",
-                    member.name)
+        log.info("rope_dedup: %s has its own storage again", member.name)
+        return True
 
     def _skip(self, name: str, reason: str) -> Offer:
         if self.skipped.get(name) != reason:

@@ -89,3 +89,22 @@ def test_table_written_by_a_later_graph_is_unshared_first() -> None:
     assert torch.equal(a.cos, table)
     skipped = {s.path: s.reason for s in backend.report.skipped}
     assert "written in the graph (mul_)" in skipped["cos"]
+
+
+def test_unshare_gives_storage_back_and_stops_sharing() -> None:
+    import rope_dedup
+
+    model = ToyDecoder(homogeneous(3))
+    backend = RopeDedupBackend("eager")
+    compiled = torch.compile(model, backend=backend)
+    tokens = torch.randint(0, 64, (1, 8))
+    compiled(tokens)
+    assert len({t.data_ptr() for _, t in rope_tensors(model)}) == 2
+    released = rope_dedup.unshare(model, backend)
+    assert sorted(released) == sorted(name for name, _ in rope_tensors(model))
+    assert len({t.data_ptr() for _, t in rope_tensors(model)}) == 6
+    with torch.no_grad():
+        model.layers[2].attention.rope.cos.mul_(0.5)  # a write outside the graph: now only layer 2 sees it
+    torch.testing.assert_close(compiled(tokens), model(tokens), rtol=1e-5, atol=1e-5)
+    assert len({t.data_ptr() for _, t in rope_tensors(model)}) == 6
+    assert "released by rope_dedup.unshare" in str(backend.report)
