@@ -13,6 +13,7 @@ from rope_dedup.passes.find_rope_tables import Candidate, find_rope_candidates
 from rope_dedup.passes.redirect_to_canonical import redirect_to_canonical
 from rope_dedup.report import DedupReport
 from rope_dedup.store import CanonicalStore
+from rope_dedup.tensors import has_storage, local, memory_ptr, placement, storage_ptr
 
 
 class RopeDedupResult(PassResult):
@@ -68,9 +69,9 @@ def _written_candidates(candidates: list[Candidate], mutations: dict[torch.fx.No
     aliasing buffers as two placeholders. Aliasing one away from the other would lose the write.
     """
     written = {c.node: mutations[c.node] for c in candidates if c.node in mutations}
-    storages = {c.tensor.untyped_storage().data_ptr(): c for c in candidates if c.node in written}
+    storages = {storage_ptr(c.tensor): c for c in candidates if c.node in written and has_storage(c.tensor)}
     for candidate in candidates:
-        owner = storages.get(candidate.tensor.untyped_storage().data_ptr())
+        owner = storages.get(storage_ptr(candidate.tensor)) if has_storage(candidate.tensor) else None
         if owner is not None and candidate.node not in written:
             how = mutations[owner.node]
             same = candidate.tensor is owner.tensor
@@ -85,7 +86,7 @@ def _duplicates_by_memory(kept: list[Candidate]) -> tuple[dict, list[tuple[int, 
     merged: dict[tuple, list[int]] = {}
     for candidate in kept:
         t = candidate.tensor
-        where = (t.data_ptr(), t.dtype, tuple(t.shape), tuple(t.stride()))
+        where = (memory_ptr(t), t.dtype, tuple(local(t).shape), tuple(local(t).stride()), placement(t))
         if where not in first:
             first[where] = candidate
             merged[where] = [candidate.input_index]

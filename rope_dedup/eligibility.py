@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from rope_dedup.tensors import is_dtensor, local
+
 
 def why_not_shareable(tensor: torch.Tensor, kind: str, written: str | None) -> str | None:
     """Return the reason a tensor must keep its own storage, or None if it may be shared.
@@ -17,6 +19,11 @@ def why_not_shareable(tensor: torch.Tensor, kind: str, written: str | None) -> s
         return "requires grad: aliasing would merge gradient flows"
     if written is not None:
         return f"written in the graph ({written}): mutable state, never shared"
+    if is_dtensor(tensor):
+        sharded = [p for p in tensor.placements if not p.is_replicate()]
+        if sharded:
+            return f"DTensor with {', '.join(map(str, sharded))} placement: only replicated tables are shared"
+        tensor = local(tensor)
     if type(tensor) not in (torch.Tensor, torch.nn.Parameter):
         return f"tensor subclass {type(tensor).__name__} is not supported"
     if tensor.is_meta:

@@ -17,6 +17,7 @@ from torch._dynamo.utils import counters
 from torch.utils.weak import WeakIdKeyDictionary
 
 from rope_dedup.store import CanonicalStore
+from rope_dedup.tensors import memory_ptr
 
 log = logging.getLogger("rope_dedup")
 
@@ -59,9 +60,9 @@ class InterningCallable:
             if not is_interned(args[position]):
                 self._intern(position, args[position])
         for group in self._merged:
-            ptr = args[group[0]].data_ptr()
+            ptr = memory_ptr(args[group[0]])
             for other in group[1:]:
-                if args[other].data_ptr() != ptr:
+                if memory_ptr(args[other]) != ptr:
                     return False
         return True
 

@@ -13,6 +13,7 @@ from typing import Sequence
 import torch
 
 from rope_dedup.keys import RopeKey
+from rope_dedup.tensors import describe_placement, local, storage_nbytes, storage_ptr
 
 
 @dataclass(frozen=True)
@@ -25,6 +26,7 @@ class Group:
     bytes_before: int
     bytes_after: int
     conflict_with: str | None = None  # a table with the same key but different content
+    placement: str | None = None  # for DTensor tables: placements and mesh; bytes are per rank
 
     @property
     def bytes_saved(self) -> int:
@@ -73,10 +75,10 @@ class DedupReport:
         full = tensor_paths(model) if model is not None else {}
         groups = []
         for group, live in store.snapshot():
-            after = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t, _ in live}
-            table = live[0][0]
+            after = {storage_ptr(t): storage_nbytes(t) for t, _ in live}
+            table = local(live[0][0])
             if store.dry_run:  # nothing was aliased: "after" is what sharing would leave
-                after = {0: table.untyped_storage().nbytes()}
+                after = {0: storage_nbytes(table)}
             groups.append(Group(
                 key=group.key,
                 members=[full.get(id(t), m.name) for t, m in live],
@@ -84,6 +86,7 @@ class DedupReport:
                 bytes_before=sum(m.original_nbytes for _, m in live),
                 bytes_after=sum(after.values()),
                 conflict_with=group.conflict_with,
+                placement=describe_placement(group.placement),
             ))
         skipped = [Skip(path, reason) for path, reason in store.skipped.items()]
         return cls(groups, skipped, list(errors))

@@ -31,11 +31,13 @@ def placeholder_origin(node: torch.fx.Node) -> InputOrigin:
         return InputOrigin(node.name, "input")
     names: list[str] = []
     containers: set[str] = set()
+    attributes = 0
     root = source
     while True:
         member = getattr(root, "member", None)
         index = getattr(root, "index", None)
         if isinstance(member, str):
+            attributes += 1
             if member in _CONTAINERS:
                 containers.add(member)
             else:
@@ -50,7 +52,7 @@ def placeholder_origin(node: torch.fx.Node) -> InputOrigin:
     if global_name is not None:
         names.append(global_name)
         kind = "global"
-    elif not names:
+    elif not attributes:  # a forward argument, possibly inside *args: an activation, not module state
         return InputOrigin(getattr(root, "local_name", None) or node.name, "input")
     elif "_parameters" in containers:
         kind = "parameter"

@@ -21,17 +21,9 @@ from torch.utils.weak import WeakIdKeyDictionary
 from rope_dedup.eligibility import why_not_shareable
 from rope_dedup.keys import RopeKey, infer_key
 from rope_dedup.recognize import NotRope, recognize_rope_table
+from rope_dedup.tensors import local, memory_ptr, placement, storage_nbytes, storage_ptr
 
 log = logging.getLogger("rope_dedup")
-
-
-def storage_nbytes(tensor: torch.Tensor) -> int:
-    """Bytes of the storage behind a tensor (what freeing it would return), not its view's size."""
-    return tensor.untyped_storage().nbytes()
-
-
-def storage_ptr(tensor: torch.Tensor) -> int:
-    return tensor.untyped_storage().data_ptr()
 
 
 @dataclass
@@ -44,8 +36,9 @@ class _Member:
 @dataclass
 class _Group:
     key: RopeKey
-    shape: tuple[int, ...]
+    shape: tuple[int, ...]  # of the local tensor
     stride: tuple[int, ...]
+    placement: tuple | None  # DTensor (mesh, placements); tables share only within one
     members: dict[int, _Member] = field(default_factory=dict)  # id(tensor) -> member
     conflict_with: str | None = None  # name of a table with the same key but different content
 
@@ -82,7 +75,7 @@ class CanonicalStore:
     # -- the hot path -------------------------------------------------------------------------------
     def is_interned(self, tensor: torch.Tensor) -> bool:
         """Cheap check used on every call: is this tensor's memory a canonical table's?"""
-        return tensor.data_ptr() in self._ptr_count
+        return memory_ptr(tensor) in self._ptr_count
 
     # -- deciding and sharing -----------------------------------------------------------------------
     def offer(self, tensor: torch.Tensor, name: str, kind: str = "buffer", written: str | None = None) -> Offer:
@@ -102,39 +95,43 @@ class CanonicalStore:
         group = self._find_equal(tensor)
         if group is not None:
             return self._alias(tensor, group, self._unique_name(name))
-        table = recognize_rope_table(tensor)
+        table = recognize_rope_table(local(tensor))
         if isinstance(table, NotRope):
             return self._skip(name, f"not RoPE-like: {table.reason}")
-        return self._new_group(tensor, infer_key(table, tensor), self._unique_name(name))
+        return self._new_group(tensor, infer_key(table, local(tensor)), self._unique_name(name))
 
     def _find_equal(self, tensor: torch.Tensor) -> _Group | None:
         """The group whose canonical table equals ``tensor`` exactly (same shape, stride, dtype, device)."""
+        mine = local(tensor)
         for group in self._groups:
-            if group.shape != tuple(tensor.shape) or group.stride != tuple(tensor.stride()):
+            if group.shape != tuple(mine.shape) or group.stride != tuple(mine.stride()):
                 continue
-            if group.key.dtype != tensor.dtype or group.key.device != tensor.device:
+            if group.key.dtype != mine.dtype or group.key.device != mine.device:
+                continue
+            if group.placement != placement(tensor):
                 continue
             canonical = group.canonical()
-            if canonical is not None and torch.equal(canonical, tensor):
+            if canonical is not None and torch.equal(local(canonical), mine):
                 return group
         return None
 
     def _alias(self, tensor: torch.Tensor, group: _Group, name: str) -> Offer:
-        canonical = group.canonical()
+        canonical, mine = local(group.canonical()), local(tensor)
         # Memory this tensor held on its own before sharing: none if it already lived in the canonical storage.
-        original = 0 if storage_ptr(canonical) == storage_ptr(tensor) else storage_nbytes(tensor)
-        moved = storage_ptr(canonical) != storage_ptr(tensor) or canonical.storage_offset() != tensor.storage_offset()
+        original = 0 if storage_ptr(canonical) == storage_ptr(mine) else storage_nbytes(mine)
+        moved = storage_ptr(canonical) != storage_ptr(mine) or canonical.storage_offset() != mine.storage_offset()
         if moved and not self.dry_run:
             try:
                 with torch.no_grad():
-                    tensor.set_(canonical.untyped_storage(), canonical.storage_offset(), tensor.size(), tensor.stride())
+                    mine.set_(canonical.untyped_storage(), canonical.storage_offset(), mine.size(), mine.stride())
             except RuntimeError as error:
                 return self._skip(name, f"could not alias its storage: {str(error).splitlines()[0]}")
         self._add_member(group, tensor, name, original)
         return Offer("shared", group.key)
 
     def _new_group(self, tensor: torch.Tensor, key: RopeKey, name: str) -> Offer:
-        group = _Group(key, tuple(tensor.shape), tuple(tensor.stride()))
+        mine = local(tensor)
+        group = _Group(key, tuple(mine.shape), tuple(mine.stride()), placement(tensor))
         same_key = [g for g in self._groups if g.key == key]
         if same_key:
             first = next(iter(same_key[0].members.values())).name
@@ -147,7 +144,7 @@ class CanonicalStore:
 
     def _add_member(self, group: _Group, tensor: torch.Tensor, name: str, original_nbytes: int) -> None:
         ident = id(tensor)
-        ptr = tensor.data_ptr()
+        ptr = memory_ptr(tensor)
         group.members[ident] = _Member(weakref.ref(tensor, lambda _: self._forget(ident, ptr)), name,
                                        original_nbytes)
         self._group_of[ident] = group
@@ -179,10 +176,11 @@ class CanonicalStore:
         if group is None:
             return False
         member = group.members[id(tensor)]
-        self._forget(id(tensor), tensor.data_ptr())
+        self._forget(id(tensor), memory_ptr(tensor))
         if any(m.ref() is not None for m in group.members.values()):
+            mine = local(tensor)
             with torch.no_grad():
-                tensor.set_(tensor.clone(memory_format=torch.preserve_format))
+                mine.set_(mine.clone(memory_format=torch.preserve_format))
         log.info("rope_dedup: %s has its own storage again", member.name)
         return True
 

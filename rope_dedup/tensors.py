@@ -1,0 +1,58 @@
+"""Where a tensor's memory lives: plain tensors as they are, a DTensor as its local shard.
+
+A replicated DTensor is a wrapper with no storage of its own (its ``data_ptr()`` is 0); each rank's
+memory is its local tensor. Sharing, pointer checks and byte counts all go through these helpers,
+and this is the only module that reaches into DTensor's private ``_local_tensor``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:  # torch built without distributed support
+    DTensor = None
+
+
+def is_dtensor(tensor: torch.Tensor) -> bool:
+    return DTensor is not None and isinstance(tensor, DTensor)
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor that owns the memory: the local shard of a DTensor, else the tensor itself."""
+    return tensor._local_tensor if is_dtensor(tensor) else tensor
+
+
+def placement(tensor: torch.Tensor) -> tuple | None:
+    """(mesh, placements) of a DTensor, None for a plain tensor: tables share only within one."""
+    return (tensor.device_mesh, tuple(tensor.placements)) if is_dtensor(tensor) else None
+
+
+def describe_placement(where: tuple | None) -> str | None:
+    if where is None:
+        return None
+    mesh, placements = where
+    return f"{', '.join(map(repr, placements))} on mesh {tuple(mesh.shape)} {mesh.device_type}"
+
+
+def memory_ptr(tensor: torch.Tensor) -> int:
+    """Address of the first element this tensor reads (the local one for a DTensor)."""
+    return local(tensor).data_ptr()
+
+
+def storage_ptr(tensor: torch.Tensor) -> int:
+    return local(tensor).untyped_storage().data_ptr()
+
+
+def storage_nbytes(tensor: torch.Tensor) -> int:
+    """Bytes of the storage behind a tensor (what freeing it would return), not its view's size."""
+    return local(tensor).untyped_storage().nbytes()
+
+
+def has_storage(tensor: torch.Tensor) -> bool:
+    """Whether the tensor's memory can be compared by address (not meta, not a storage-less wrapper)."""
+    inner = local(tensor)
+    if inner.is_meta or type(inner) not in (torch.Tensor, torch.nn.Parameter):
+        return False
+    return True

@@ -1,0 +1,75 @@
+"""Distributed cases on 2 CPU ranks (gloo, loopback only), run once by torchrun; see distributed_cases.py."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+CASES = Path(__file__).with_name("distributed_cases.py")
+
+pytestmark = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()),
+                                reason="torch built without gloo")
+
+
+def run_cases(out_dir: Path, *extra: str) -> list[dict]:
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
+               str(CASES), str(out_dir), *extra]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory) -> list[dict]:
+    return run_cases(tmp_path_factory.mktemp("dist"))
+
+
+def per_rank(ranks: list[dict], case: str) -> list[dict]:
+    results = [r[case] for r in ranks]
+    for result in results:
+        assert "error" not in result, result["error"]
+    return results
+
+
+def test_replicated_dtensor_tables_share_local_storage(ranks) -> None:
+    for rank in per_rank(ranks, "replicated"):
+        assert rank["dtensor_tables"]
+        assert (rank["before"], rank["after"]) == (8, rank["ideal"])
+        assert rank["max_abs_diff"] == 0.0  # equal to the single-process eager model
+        assert [g[2] for g in rank["groups"]] == ["Replicate() on mesh (2,) cpu"] * 2
+
+
+def test_tensor_parallel_losses_and_gradients_equal(ranks) -> None:
+    for rank in per_rank(ranks, "tensor_parallel"):
+        assert rank["loss_diff"] == 0.0 and rank["grad_max_diff"] == 0.0
+        assert (rank["before"], rank["after"]) == (8, rank["ideal"])
+
+
+def test_fsdp2_per_block_compile(ranks) -> None:
+    for rank in per_rank(ranks, "fsdp2_regional"):
+        assert rank["loss_diff"] == 0.0
+        assert (rank["before"], rank["after"]) == (8, rank["ideal"])
+
+
+def test_pipeline_chunks_share_only_within_one_backend(ranks) -> None:
+    for rank in per_rank(ranks, "pipeline"):
+        assert rank == {"same_backend": 2, "two_backends": 4}
+
+
+def test_sharded_tables_are_skipped_with_reason(ranks) -> None:
+    for rank in per_rank(ranks, "sharded"):
+        assert rank["after"] == 4
+        assert rank["skipped"]["0.rope.cos"] == "DTensor with S(0) placement: only replicated tables are shared"
+        assert "0" not in rank["skipped"]  # the forward argument is an activation, not module state
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL case needs 2 GPUs")
+def test_replicated_case_on_nccl(tmp_path) -> None:
+    for rank in run_cases(tmp_path, "replicated", "--device", "cuda"):
+        assert (rank["replicated"]["before"], rank["replicated"]["after"]) == (8, 2)
