@@ -60,6 +60,13 @@ def _weighted_line(x: torch.Tensor, y: torch.Tensor, w: torch.Tensor) -> tuple[f
     return float(my - b * mx), float(b)
 
 
+def _intercept_error(x: torch.Tensor, w: torch.Tensor) -> float:
+    """Error of the fitted intercept when each y is known to 1 / sqrt(w)."""
+    sw = w.sum()
+    mx = (w * x).sum() / sw
+    return math.sqrt(float(1 / sw + mx**2 / (w * (x - mx) ** 2).sum()))
+
+
 def infer_key(table: RopeTable, tensor: torch.Tensor) -> RopeKey:
     """Infer the :class:`RopeKey` of a recognized table (recognition guarantees >= 2 measurable columns)."""
     freqs, reliable, tol = table.freqs, table.reliable, table.freq_tol
@@ -75,8 +82,12 @@ def infer_key(table: RopeTable, tensor: torch.Tensor) -> RopeKey:
     deviation = (safe / geometric - 1).abs()
     scaling: list[str] = []
     if bool((deviation[reliable] <= 4 * rel_tol[reliable] + 1e-6).all()):
-        if abs(math.exp(intercept) - 1) > 1e-4:
+        # bf16/fp16 frequencies pin f_0 only to their own precision: a smaller offset is rounding, not scaling.
+        if abs(math.exp(intercept) - 1) > max(1e-4, _intercept_error(index, weights)):
             scaling.append(f"linear x{_round_sig(math.exp(-intercept)):g}")
+        else:
+            # f_0 = 1: fit the line through it, which pins theta better than a free intercept.
+            slope = float((weights * index * log_f).sum() / (weights * index**2).sum())
     else:
         intercept, slope, profile = _head_fit(index, log_f, weights, reliable)
         scaling.append(profile)

@@ -43,6 +43,12 @@ def _eps(dtype: torch.dtype) -> float:
     return torch.finfo(real).eps
 
 
+def _floor(dtype: torch.dtype) -> float:
+    """Spacing of the dtype's subnormals: fp16 rounds the slowest frequencies (~1e-6) to a few of them."""
+    real = torch.empty((), dtype=dtype).real.dtype if dtype.is_complex else dtype
+    return torch.finfo(real).smallest_normal * torch.finfo(real).eps
+
+
 def recognize_rope_table(tensor: torch.Tensor) -> RopeTable | NotRope:
     """Return the :class:`RopeTable` a tensor holds, or :class:`NotRope` with the reason it is not one."""
     if type(tensor) not in (torch.Tensor, torch.nn.Parameter):
@@ -59,7 +65,7 @@ def recognize_rope_table(tensor: torch.Tensor) -> RopeTable | NotRope:
         return NotRope("position 0 is not cos = const / sin = 0")
     if not bool(torch.isfinite(x).all()):
         return NotRope("contains NaN or inf")
-    eps = _eps(tensor.dtype)
+    eps, floor = _eps(tensor.dtype), _floor(tensor.dtype)
     if x.is_complex():
         if x.dim() != 2:
             return NotRope(f"complex tensor of shape {tuple(tensor.shape)} is not (positions, freqs)")
@@ -67,16 +73,16 @@ def recognize_rope_table(tensor: torch.Tensor) -> RopeTable | NotRope:
         return _from_parts("complex", {"cos": x.real, "sin": x.imag}, eps)
     x = x.to(torch.float64)
     if x.dim() == 1:
-        return _from_inv_freq(x, eps)
+        return _from_inv_freq(x, eps, floor)
     if x.dim() == 3 and x.shape[-1] == 2:
         first, second = x[..., 0], x[..., 1]
-        names = (_kind(first), _kind(second))
+        names = (_kind(first, eps, floor), _kind(second, eps, floor))
         if set(names) != {"cos", "sin"}:
             return NotRope("last dim of 2 does not stack a cos and a sin table")
         layout = f"stacked({names[0]},{names[1]})"
         return _from_parts(layout, {names[0]: first, names[1]: second}, eps)
     if x.dim() == 2:
-        return _from_columns(x, eps)
+        return _from_columns(x, eps, floor)
     return NotRope(f"shape {tuple(tensor.shape)} is not a rotary table layout")
 
 
@@ -90,7 +96,7 @@ def _first_row_plausible(row: torch.Tensor) -> bool:
     return big.numel() == 0 or bool(((big - big[0]).abs() <= 1e-2 * big[0].abs()).all())
 
 
-def _kind(part: torch.Tensor) -> str | None:
+def _kind(part: torch.Tensor, eps: float, floor: float) -> str | None:
     """Classify a (L, n) block by its first rows: cos starts at A, sin at 0, angle at 0 and grows linearly."""
     if part.shape[0] < 2:
         return None
@@ -102,7 +108,10 @@ def _kind(part: torch.Tensor) -> str | None:
         return "cos"
     if row0.abs().max().item() <= 1e-2 * scale:
         last = part.shape[0] - 1
-        if last >= 2 and torch.allclose(part[last], part[1] * last, rtol=1e-3, atol=1e-6):
+        # Both rows are rounded to the table's dtype (row 1 of slow columns to subnormals in fp16): fixed
+        # tolerances would turn half-precision angle tables into "sin".
+        rtol, atol = max(1e-3, 4 * eps), max(1e-6, last * floor)
+        if last >= 2 and torch.allclose(part[last], part[1] * last, rtol=rtol, atol=atol):
             return "angle"
         return "sin"
     return None
@@ -120,9 +129,9 @@ def _repeat_mode(part: torch.Tensor) -> tuple[str, torch.Tensor]:
     return "", part
 
 
-def _from_columns(x: torch.Tensor, eps: float) -> RopeTable | NotRope:
+def _from_columns(x: torch.Tensor, eps: float, floor: float) -> RopeTable | NotRope:
     """(L, W) real tables: one cos/sin/angle block, or two side by side (torchtitan cos|sin, GPT-J sin|cos)."""
-    whole = _kind(x)
+    whole = _kind(x, eps, floor)
     if whole is not None:
         mode, cols = _repeat_mode(x)
         layout = whole + (f"-{mode}" if mode else "")
@@ -131,7 +140,7 @@ def _from_columns(x: torch.Tensor, eps: float) -> RopeTable | NotRope:
             return found
     if x.shape[-1] % 2 == 0:
         left, right = x.split(x.shape[-1] // 2, dim=-1)
-        names = (_kind(left), _kind(right))
+        names = (_kind(left, eps, floor), _kind(right, eps, floor))
         if set(names) == {"cos", "sin"}:
             (mode_l, left), (mode_r, right) = _repeat_mode(left), _repeat_mode(right)
             if mode_l == mode_r:
@@ -152,7 +161,8 @@ def _from_parts(layout: str, parts: dict[str, torch.Tensor], eps: float) -> Rope
     cos, sin, angle = parts.get("cos"), parts.get("sin"), parts.get("angle")
     if angle is not None:
         amplitude = 1.0
-        noise = 4 * eps * (angle.abs().max().item() + 1)
+        # Per column: an angle table rounds each value relatively, so a slow column is as exact as a fast one.
+        noise = 4 * eps * (angle[-1].abs() + 1)
     elif cos is not None:
         amplitude = cos[0].mean().item()
         # acos loses precision near 0 and pi: noise grows like sqrt(eps) there.
@@ -162,18 +172,27 @@ def _from_parts(layout: str, parts: dict[str, torch.Tensor], eps: float) -> Rope
         noise = math.sqrt(8 * eps)
     if not amplitude > 0:
         return NotRope("non-positive amplitude")
-    freqs = _measure_freqs(cos, sin, angle, amplitude)
+    freqs = _measure_freqs(cos, sin, angle, amplitude, eps)
     # A column whose angle never moves beyond the dtype's noise measures as ~0: unmeasurable, not wrong.
     if not bool(torch.isfinite(freqs).all()) or bool((freqs < -noise).any()):
         return NotRope("no positive frequency fits the values")
     freqs = freqs.clamp_min(0)
     if sin is not None and cos is None:
-        phases = torch.sin(torch.arange(length, dtype=torch.float64, device=sin.device)[:, None] * freqs)
-        amplitude = float((sin * phases).sum() / (phases * phases).sum())
+        # The first guess (two entries of a half-precision column) can be ~1% off, and asin bends the slow
+        # columns' frequencies by as much: refit the amplitude on the whole table and measure once more.
+        positions = torch.arange(length, dtype=torch.float64, device=sin.device)[:, None]
+        for again in (True, False):
+            phases = torch.sin(positions * freqs)
+            amplitude = float((sin * phases).sum() / (phases * phases).sum())
+            if again:
+                freqs = _measure_freqs(cos, sin, angle, amplitude, eps).clamp_min(0)
     if not _rebuild_matches(parts, freqs, amplitude, eps):
         return NotRope("values do not follow cos/sin of position x frequency")
     freqs = freqs.cpu()
-    reliable = (length - 1) * freqs > 50 * noise
+    noise = noise.cpu() if isinstance(noise, torch.Tensor) else noise
+    # A column is usable for the key once its angle has swept well past the measurement noise; short
+    # half-precision tables have few such columns, and their key's theta is correspondingly rough.
+    reliable = (length - 1) * freqs > 8 * noise
     if int(reliable.sum()) < 2:
         return NotRope("fewer than 2 frequencies move measurably: constant, or too short to identify")
     return RopeTable(
@@ -195,38 +214,59 @@ def _sin_amplitude(sin: torch.Tensor) -> float:
     return abs(sin[1, 0].item() / sin_f) if sin_f > 0 else 1.0
 
 
-def _measure_freqs(cos, sin, angle, amplitude: float) -> torch.Tensor:
+def _measure_freqs(cos, sin, angle, amplitude: float, eps: float) -> torch.Tensor:
     """Unwrap angles at positions 1, 2, 4, ..., L-1, each step refining the frequency estimate."""
     any_part = next(p for p in (cos, sin, angle) if p is not None)
     length = any_part.shape[0]
     if angle is not None:
         return angle[length - 1] / (length - 1)
+    # Per value, relative to the amplitude: cos/sin computed in float32 (~1 ulp) and rounded to the dtype
+    # (eps / 2). Realistic, not padded: rows are ranked by it, and padding favours the sqrt regime below.
+    value_err = eps
 
-    def branches(p: int) -> list[torch.Tensor]:
+    def measure(p: int) -> tuple[list[torch.Tensor], torch.Tensor]:
         # Angles at row p are known modulo 2*pi, and only up to a reflection when one of cos/sin is missing.
         if cos is not None and sin is not None:
-            return [torch.atan2(sin[p], cos[p])]
+            base = torch.atan2(sin[p], cos[p])
+            return [base], torch.full_like(base, value_err)
         if cos is not None:
-            base = torch.acos((cos[p] / amplitude).clamp(-1, 1))
-            return [base, -base]
-        base = torch.asin((sin[p] / amplitude).clamp(-1, 1))
-        return [base, math.pi - base]
+            value = (cos[p] / amplitude).clamp(-1, 1)
+            base = torch.acos(value)
+            branches = [base, -base]
+        else:
+            value = (sin[p] / amplitude).clamp(-1, 1)
+            base = torch.asin(value)
+            branches = [base, math.pi - base]
+        # A lone cos (sin) pins the angle poorly near its reflection points 0, pi (+-pi/2): the error is
+        # value_err / |slope|, at most sqrt(2 * value_err) there.
+        slope = (1 - value * value).sqrt()
+        return branches, (value_err / slope).clamp_max(math.sqrt(2 * value_err))
 
     two_pi = 2 * math.pi
-    freqs = branches(1)[0]
+    branches, err = measure(1)
+    freqs = branches[0]
     rows = [1 << k for k in range(1, max(1, (length - 1).bit_length())) if (1 << k) < length]
     if length - 1 > 1 and (not rows or rows[-1] != length - 1):
         rows.append(length - 1)
+    # With one of cos/sin, also each row's predecessor: p - 1 and p are coprime, so a frequency near a rational
+    # multiple of pi (say pi/8), whose angles at every power of two sit on a reflection point, is still pinned.
+    if cos is None or sin is None:
+        rows = sorted({q for p in rows for q in (p - 1, p) if q >= 2})
     for p in rows:
         predicted = freqs * p
+        branches, row_err = measure(p)
         best = None
-        for base in branches(p):
+        for base in branches:
             candidate = base + two_pi * torch.round((predicted - base) / two_pi)
             if best is None:
                 best = candidate
             else:
                 best = torch.where((candidate - predicted).abs() < (best - predicted).abs(), candidate, best)
-        freqs = best / p
+        # Keep the earlier estimate where this row knows the frequency worse (a lone cos near 0 or pi): taking
+        # it anyway can throw away a good estimate just before the last row.
+        better = row_err / p < err
+        freqs = torch.where(better, best / p, freqs)
+        err = torch.where(better, row_err / p, err)
     return freqs
 
 
@@ -247,7 +287,7 @@ def _rebuild_matches(parts: dict[str, torch.Tensor], freqs: torch.Tensor, amplit
     return True
 
 
-def _from_inv_freq(x: torch.Tensor, eps: float) -> RopeTable | NotRope:
+def _from_inv_freq(x: torch.Tensor, eps: float, floor: float) -> RopeTable | NotRope:
     """A bare inv_freq (d/2,): positive, strictly decreasing, its leading entries a geometric progression.
 
     Scaled variants (llama3, YaRN) bend the low frequencies but keep the high ones, so the head must be
@@ -268,7 +308,7 @@ def _from_inv_freq(x: torch.Tensor, eps: float) -> RopeTable | NotRope:
         layout="inv_freq",
         freqs=x.cpu(),
         reliable=torch.ones(n, dtype=torch.bool),
-        freq_tol=4 * eps * x,
+        freq_tol=4 * eps * x + floor,  # fp16 keeps the slowest frequencies of a large theta as subnormals
         amplitude=1.0,
         length=None,
     )

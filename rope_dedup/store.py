@@ -21,7 +21,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from rope_dedup.eligibility import why_not_shareable
 from rope_dedup.keys import RopeKey, infer_key
 from rope_dedup.recognize import NotRope, recognize_rope_table
-from rope_dedup.tensors import local, memory_ptr, placement, storage_nbytes, storage_ptr
+from rope_dedup.tensors import local, memory_ptr, placement, same_values, storage_nbytes, storage_ptr
 
 log = logging.getLogger("rope_dedup")
 
@@ -111,7 +111,7 @@ class CanonicalStore:
             if group.placement != placement(tensor):
                 continue
             canonical = group.canonical()
-            if canonical is not None and torch.equal(local(canonical), mine):
+            if canonical is not None and same_values(local(canonical), mine):
                 return group
         return None
 

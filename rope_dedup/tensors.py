@@ -56,3 +56,10 @@ def has_storage(tensor: torch.Tensor) -> bool:
     if inner.is_meta or type(inner) not in (torch.Tensor, torch.nn.Parameter):
         return False
     return True
+
+
+def same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """``torch.equal``, also for complex32 (ComplexHalf), which torch.equal does not implement."""
+    if a.dtype == torch.complex32:
+        return torch.equal(torch.view_as_real(a), torch.view_as_real(b))
+    return torch.equal(a, b)
