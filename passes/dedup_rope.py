@@ -52,7 +52,7 @@ def dedup_rope(
         offer = store.offer(candidate.tensor, candidate.path, candidate.kind, written.get(candidate.node))
         if offer.status != "skipped":
             kept.append(candidate)
-    duplicates, merged = _duplicates_by_memory(kept)
+    duplicates, merged = _duplicates_by_memory(kept) if not store.dry_run else ({}, [])
     modified = redirect_to_canonical(gm, duplicates)
     result = RopeDedupResult(gm, modified)
     result.report = DedupReport.from_store(store)
