@@ -121,5 +121,6 @@ def _head_fit(index, log_f, weights, reliable) -> tuple[float, float, str]:
     bend = log_f - (intercept + slope * index)
     last = int(torch.nonzero(reliable).max())
     low = math.exp(-float(bend[last]))
-    digest = hashlib.sha1(torch.round(bend[reliable] * 1e3).to(torch.int64).numpy().tobytes()).hexdigest()[:6]
+    bend_milli = torch.round(bend[reliable] * 1e3).to(torch.int64).tolist()  # plain ints: torch needs no numpy
+    digest = hashlib.sha1(repr(bend_milli).encode()).hexdigest()[:6]
     return intercept, slope, f"nonuniform low/{_round_sig(low, 3):g} #{digest}"
