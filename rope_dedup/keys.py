@@ -113,7 +113,7 @@ def _head_fit(index, log_f, weights, reliable) -> tuple[float, float, str]:
     """
     n = index.numel()
     head = torch.zeros(n, dtype=torch.bool)
-    head[: max(3, n // 4)] = True
+    head[: max(2, n // 8)] = True  # the share recognition requires to be unbent
     head &= reliable
     if int(head.sum()) < 2:
         head = reliable

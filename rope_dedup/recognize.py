@@ -290,7 +290,7 @@ def _rebuild_matches(parts: dict[str, torch.Tensor], freqs: torch.Tensor, amplit
 def _from_inv_freq(x: torch.Tensor, eps: float, floor: float) -> RopeTable | NotRope:
     """A bare inv_freq (d/2,): positive, strictly decreasing, its leading entries a geometric progression.
 
-    Scaled variants (llama3, YaRN) bend the low frequencies but keep the high ones, so the head must be
+    Scaled variants (llama3, YaRN) bend the low frequencies but keep the high ones, so only the head must be
     geometric while the tail may deviate.
     """
     n = x.shape[0]
@@ -300,7 +300,9 @@ def _from_inv_freq(x: torch.Tensor, eps: float, floor: float) -> RopeTable | Not
         return NotRope("1-D values are not frequencies in (0, pi]")
     if not bool((x[1:] < x[:-1]).all()):
         return NotRope("1-D values are not strictly decreasing frequencies")
-    head = x[: max(3, n // 4)]
+    # YaRN at small rotary dims bends all but the first two or three frequencies: only the first
+    # eighth must be geometric (at least two entries, so short vectors need only be decreasing).
+    head = x[: max(2, n // 8)]
     ratios = head[1:] / head[:-1]
     if ratios.numel() > 1 and (ratios - ratios[0]).abs().max().item() > 8 * eps + 1e-6:
         return NotRope("leading frequencies are not a geometric progression")
