@@ -188,6 +188,12 @@ def _from_parts(layout: str, parts: dict[str, torch.Tensor], eps: float) -> Rope
                 freqs = _measure_freqs(cos, sin, angle, amplitude, eps).clamp_min(0)
     if not _rebuild_matches(parts, freqs, amplitude, eps):
         return NotRope("values do not follow cos/sin of position x frequency")
+    if (cos is None) != (sin is None) and angle is None:
+        # The sqrt(eps) bound holds only at an extremum of cos/sin; elsewhere a value pins its angle to
+        # eps / |slope|. Judge each column at its last position, capped by the extremum bound.
+        last = (length - 1) * freqs
+        slope = (torch.sin(last) if cos is not None else torch.cos(last)).abs()
+        noise = (2 * eps / slope.clamp_min(1e-30)).clamp(max=noise)
     freqs = freqs.cpu()
     noise = noise.cpu() if isinstance(noise, torch.Tensor) else noise
     # A column is usable for the key once its angle has swept well past the measurement noise; short
