@@ -91,6 +91,8 @@ def infer_key(table: RopeTable, tensor: torch.Tensor) -> RopeKey:
     else:
         intercept, slope, profile = _head_fit(index, log_f, weights, reliable)
         scaling.append(profile)
+    if table.rough:
+        scaling.append("theta approximate (too few positions)")
     if abs(table.amplitude - 1) > 1e-3:
         scaling.append(f"mscale {_round_sig(table.amplitude):g}")
     theta = math.exp(-slope * n)

@@ -31,6 +31,7 @@ class RopeTable:
     freq_tol: torch.Tensor  # float64 (n,): absolute bound on the error of each measured frequency
     amplitude: float  # 1.0 except for attention-scaled tables (YaRN's mscale)
     length: int | None  # positions; None for a bare inv_freq vector
+    rough: bool = False  # too few positions to measure theta precisely: the key says so
 
 
 @dataclass(frozen=True)
@@ -200,7 +201,11 @@ def _from_parts(layout: str, parts: dict[str, torch.Tensor], eps: float) -> Rope
     noise = noise.cpu() if isinstance(noise, torch.Tensor) else noise
     # A column is usable for the key once its angle has swept well past the measurement noise; short
     # half-precision tables have few such columns, and their key's theta is correspondingly rough.
-    reliable = (length - 1) * freqs > 8 * noise
+    span = (length - 1) * freqs
+    reliable, rough = span > 8 * noise, False
+    if int(reliable.sum()) < 2:
+        # A few positions of a half-precision table: the values are RoPE but pin theta only roughly.
+        reliable, rough = span > noise, True
     if int(reliable.sum()) < 2:
         return NotRope("fewer than 2 frequencies move measurably: constant, or too short to identify")
     return RopeTable(
@@ -210,6 +215,7 @@ def _from_parts(layout: str, parts: dict[str, torch.Tensor], eps: float) -> Rope
         freq_tol=noise / (length - 1) + _ANGLE_REL_ERR * freqs,
         amplitude=amplitude,
         length=length,
+        rough=rough,
     )
 
 
