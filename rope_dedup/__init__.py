@@ -8,6 +8,7 @@ content, and leaves one storage per distinct table; :func:`dedup_rope` does the 
 
 from rope_dedup.passes.dedup_rope import RopeDedupResult, dedup_rope
 from rope_dedup.backend import RopeDedupBackend, rope_dedup_backend
+from rope_dedup.explain import Explanation, explain
 from rope_dedup.keys import RopeKey, infer_key
 from rope_dedup.recognize import NotRope, RopeTable, recognize_rope_table
 from rope_dedup.report import DedupReport, Group, Skip
@@ -17,6 +18,7 @@ from rope_dedup.unshare import unshare
 __all__ = [
     "CanonicalStore",
     "DedupReport",
+    "Explanation",
     "Group",
     "NotRope",
     "RopeDedupBackend",
@@ -25,6 +27,7 @@ __all__ = [
     "RopeTable",
     "Skip",
     "dedup_rope",
+    "explain",
     "infer_key",
     "recognize_rope_table",
     "rope_dedup_backend",

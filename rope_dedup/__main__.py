@@ -1,0 +1,7 @@
+"""``python -m rope_dedup``: the ``rope-dedup`` command line."""
+
+import sys
+
+from rope_dedup.cli import main
+
+sys.exit(main())

@@ -1,0 +1,361 @@
+"""``rope-dedup`` command line: ``profile`` (memory and time by mode) and ``audit MODULE:FACTORY``.
+
+rich (and matplotlib for ``--plot``) come with the ``demo`` extra and are imported only here, when a
+command runs. Bad input ends in one line on stderr and a non-zero exit: 2 for what the user asked
+(unknown preset, no CUDA, a factory that does not import), 1 for what failed while running.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import sys
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, NoReturn, Sequence
+
+import torch
+
+from rope_dedup import profile as prof
+from rope_dedup.report import _fmt_bytes
+
+USAGE_ERROR, RUN_ERROR = 2, 1
+
+
+class BadInput(Exception):
+    """What the user asked for cannot be done; the message is the whole story."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:  # one line instead of usage + error
+        self.exit(USAGE_ERROR, f"{self.prog}: error: {message}\n")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``rope-dedup`` and ``python -m rope_dedup``; returns the exit status."""
+    args = _parser().parse_args(argv)
+    prog = f"rope-dedup {args.command}"
+    try:
+        console, error_console = _consoles()
+        if args.command == "profile":
+            return _profile(args, console, error_console)
+        return _audit(args, console)
+    except BadInput as error:
+        print(f"{prog}: error: {error}", file=sys.stderr)
+        return USAGE_ERROR
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="rope-dedup", description="Share identical RoPE tables across attention layers.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    p = commands.add_parser(
+        "profile", help="compare memory and time: eager, torch.compile, rope_dedup (each in a fresh process)",
+        description="Build a toy decoder whose attention layers each own a RoPE table and compare eager, "
+                    "torch.compile with the inner backend alone, and with rope_dedup, each in a fresh process. "
+                    "Options override the preset.")
+    p.add_argument("--preset", choices=sorted(prof.PRESETS), default="default",
+                   help="starting configuration (default: %(default)s): " + "; ".join(
+                       f"{name}: {prof.describe_preset(config)}" for name, config in prof.PRESETS.items()))
+    p.add_argument("--layers", type=_positive_int, help="attention layers, each with its own table")
+    p.add_argument("--context", type=_positive_int, help="table length (positions)")
+    p.add_argument("--head-dim", type=_positive_int, help="head dimension (the rotary dim)")
+    p.add_argument("--heads", type=_positive_int, help="attention heads")
+    p.add_argument("--dtype", choices=sorted(prof.DTYPES), help="table dtype")
+    p.add_argument("--layout", choices=_layouts(), help="how each layer stores its table")
+    p.add_argument("--pattern", choices=prof.PATTERNS, help="same table everywhere, or Gemma-style local/global")
+    p.add_argument("--device", choices=("cpu", "cuda"), help="where the model runs")
+    p.add_argument("--inner", choices=prof.INNERS, help="backend compared with, and used under rope_dedup")
+    p.add_argument("--modes", type=_modes, help=f"comma-separated, from {','.join(prof.MODES)} (or 'all'); "
+                                                "'regional' compiles block by block")
+    p.add_argument("--steps", type=_positive_int, help="timed forward steps after the first call, at least")
+    p.add_argument("--step-seconds", type=float, help="and stepping lasts at least this long (default 1)")
+    p.add_argument("--seq", type=_positive_int, help="tokens per step")
+    p.add_argument("--batch", type=_positive_int, help="sequences per step")
+    p.add_argument("--threads", type=_positive_int, help="intra-op threads per child (default 1)")
+    p.add_argument("--timeout", type=float, help="seconds allowed per mode")
+    p.add_argument("--json", type=Path, metavar="PATH", help="write every figure as JSON")
+    p.add_argument("--plot", type=Path, metavar="PATH.png", help="write a bar chart of memory by mode")
+    a = commands.add_parser(
+        "audit", help="dry run: the RoPE tables each layer holds, which would share, what is skipped and why",
+        description="Import MODULE (a dotted name, or a path to a .py file), call FACTORY() for "
+                    "(model, example_inputs), run one forward through a dry-run rope_dedup backend and print "
+                    "per layer the tables found, their inferred keys, the share groups and every skip.")
+    a.add_argument("factory", metavar="MODULE:FACTORY", help="e.g. examples/audit.py:build or my_pkg.models:build")
+    return parser
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
+    return value
+
+
+def _modes(text: str) -> tuple[str, ...]:
+    modes = prof.MODES if text == "all" else tuple(m.strip() for m in text.split(",") if m.strip())
+    unknown = [m for m in modes if m not in prof.MODES]
+    if unknown or not modes:
+        raise argparse.ArgumentTypeError(f"unknown mode(s) {', '.join(unknown) or '(none)'}; "
+                                         f"choose from {', '.join(prof.MODES)}")
+    return modes
+
+
+def _layouts() -> tuple[str, ...] | None:
+    try:
+        return prof.profile_layouts()
+    except FileNotFoundError:  # installed without the examples: `profile` reports it when it runs
+        return None
+
+
+def _consoles():
+    try:
+        from rich.console import Console
+    except ImportError:
+        raise BadInput("the command line needs rich: pip install 'rope-dedup[demo]'") from None
+    # Piped or redirected output gets rich's 80 columns unless told otherwise: too narrow for the tables.
+    width = None if sys.stdout.isatty() or "COLUMNS" in os.environ else 140
+    return Console(width=width), Console(stderr=True)
+
+
+# -- profile ------------------------------------------------------------------------------------------
+
+def _profile(args: argparse.Namespace, console, error_console) -> int:
+    config = _profile_config(args)
+    if args.plot is not None:
+        _check_writable(args.plot, "--plot")
+        try:
+            import matplotlib  # noqa: F401  (checked before minutes of profiling, used after)
+        except ImportError:
+            raise BadInput("--plot needs matplotlib: pip install 'rope-dedup[demo]'") from None
+    if args.json is not None:
+        _check_writable(args.json, "--json")
+    console.print(prof.describe_config(asdict(config)), style="dim")
+    result = _run_with_progress(config, args.timeout, error_console)
+    result["targets"] = [dict(zip(("target", "measured", "limit", "comparison", "met"), row))
+                         for row in prof.check_targets(result["summary"])]
+    _print_profile(result, console)
+    if args.json is not None:
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+        console.print(f"wrote {args.json}")
+    if args.plot is not None:
+        from rope_dedup.plot import plot_profile
+
+        plot_profile(result, args.plot)
+        console.print(f"wrote {args.plot}")
+    failed = [(mode, r["error"]) for mode, r in result["modes"].items() if "error" in r]
+    for mode, error in failed:
+        print(f"rope-dedup profile: error: {prof.mode_label(mode, config.inner)}: {error}", file=sys.stderr)
+    return RUN_ERROR if failed else 0
+
+
+def _profile_config(args: argparse.Namespace) -> prof.ProfileConfig:
+    try:
+        layouts = prof.profile_layouts()
+    except FileNotFoundError as error:
+        raise BadInput(str(error)) from None
+    config = prof.apply_overrides(
+        prof.PRESETS[args.preset], layers=args.layers, context=args.context, head_dim=args.head_dim,
+        heads=args.heads, dtype=args.dtype, layout=args.layout, pattern=args.pattern, device=args.device,
+        inner=args.inner, modes=args.modes, steps=args.steps, step_seconds=args.step_seconds, seq=args.seq,
+        batch=args.batch, threads=args.threads)
+    if config.layout not in layouts:
+        raise BadInput(f"unknown layout {config.layout!r}; choose from {', '.join(layouts)}")
+    if config.head_dim % 2:
+        raise BadInput(f"--head-dim must be even (rotary pairs), got {config.head_dim}")
+    if config.seq > config.context:
+        raise BadInput(f"--seq {config.seq} exceeds the table length --context {config.context}")
+    if config.device == "cuda" and not torch.cuda.is_available():
+        raise BadInput(f"--device cuda asked for, but CUDA is not available to this torch ({torch.__version__})")
+    return config
+
+
+def _check_writable(path: Path, option: str) -> None:
+    folder = path.resolve().parent
+    if not folder.is_dir():
+        raise BadInput(f"{option} {path}: folder {folder} does not exist")
+    if not os.access(folder, os.W_OK):
+        raise BadInput(f"{option} {path}: folder {folder} is not writable")
+
+
+def _run_with_progress(config: prof.ProfileConfig, timeout: float | None, console) -> dict[str, Any]:
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    columns = (SpinnerColumn(finished_text=" "), TextColumn("{task.description}"), TimeElapsedColumn())
+    with Progress(*columns, console=console) as progress:
+        tasks = {mode: progress.add_task(f"{prof.mode_label(mode, config.inner)}: waiting", total=1, start=False)
+                 for mode in config.modes}
+
+        def on_start(mode: str) -> None:
+            progress.start_task(tasks[mode])
+            progress.update(tasks[mode], description=f"{prof.mode_label(mode, config.inner)}: running")
+
+        def on_done(mode: str, result: dict) -> None:
+            status = "[red]✗ failed[/] (reason below)" if "error" in result else "[green]✓[/] done"
+            progress.update(tasks[mode], completed=1, description=f"{prof.mode_label(mode, config.inner)}: {status}")
+            progress.stop_task(tasks[mode])
+
+        return prof.run_profile(config, on_start, on_done, timeout)
+
+
+def _print_profile(result: dict[str, Any], console) -> None:
+    ok = {mode: r for mode, r in result["modes"].items() if "error" not in r}
+    if not ok:
+        return
+    inner = result["config"]["inner"]
+    console.print(_memory_table(ok, inner, cuda=result["config"]["device"] == "cuda"))
+    console.print(_time_table(ok, inner))
+    summary = result["summary"]
+    if result["targets"]:
+        console.print(_targets_table(result["targets"], summary, inner))
+    for mode, r in ok.items():
+        for error in r["pass_errors"] or ():
+            console.print(f"WARNING {prof.mode_label(mode, inner)}: {error}", style="red", markup=False, highlight=False)
+    if "peak_rss_steps_saved" in summary:
+        saved = summary["peak_rss_steps_saved"]
+        console.print(f"rope_dedup vs {inner} alone: RoPE storage {_fmt_bytes(summary['rope_bytes_saved'])} less; "
+                      f"peak RSS while running {_fmt_bytes(abs(saved))} {'less' if saved >= 0 else 'more'}",
+                      highlight=False)
+
+
+def _table(title: str, columns: Sequence[str], caption: str | None = None):
+    from rich import box
+    from rich.table import Table
+
+    table = Table(title=title, caption=caption, title_justify="left", caption_justify="left", box=box.SIMPLE_HEAD)
+    for i, name in enumerate(columns):
+        table.add_column(name, justify="left" if i == 0 else "right", no_wrap=True)
+    return table
+
+
+def _memory_table(ok: dict[str, dict], inner: str, cuda: bool):
+    ideal = next(iter(ok.values()))
+    table = _table(f"Memory (unique storages; compiled modes use {inner})",
+                   ("mode", "RoPE tensors→storages", "RoPE bytes", "÷ ideal", "buffers", "peak RSS running",
+                    "peak RSS process", *(("CUDA alloc", "CUDA max running") if cuda else ()), "max |Δ| vs eager"),
+                   caption=f"ideal, each distinct table stored once: {ideal['ideal_storages']} storage(s), "
+                           f"{_fmt_bytes(ideal['ideal_bytes'])}. Peak RSS running: from the end of the first call "
+                           f"(compile) to the last step; process: the whole child, model build included.")
+    for mode, r in ok.items():
+        table.add_row(prof.mode_label(mode, inner), f"{r['rope_tables']} → {r['rope_storages']}",
+                      _fmt_bytes(r["rope_bytes"]), f"{r['rope_bytes'] / r['ideal_bytes']:.2f}",
+                      _fmt_bytes(r["buffer_bytes"]), _bytes_or_dash(r["peak_rss_steps"]),
+                      _fmt_bytes(r["peak_rss_process"]),
+                      *((_fmt_bytes(r["cuda_allocated"]), _fmt_bytes(r["cuda_max_allocated_steps"])) if cuda else ()),
+                      f"{r['max_abs_err_vs_eager']:.1e}")
+    return table
+
+
+def _time_table(ok: dict[str, dict], inner: str):
+    table = _table("Time", ("mode", "first call s", "step ms", "fastest step ms", "pass s", "intern µs/call",
+                            "calls/step", "intern ÷ step"),
+                   caption="first call includes compiling; step: one forward under no_grad, median; intern: the "
+                           "per-call storage check of the compiled callable (InterningCallable.intern_inputs)")
+    for mode, r in ok.items():
+        intern = r["intern_s_per_call"] is not None
+        table.add_row(prof.mode_label(mode, inner), "-" if mode == "eager" else f"{r['first_call_s']:.2f}",
+                      f"{r['step_s'] * 1e3:.2f}", f"{r['step_s_min'] * 1e3:.2f}",
+                      "-" if r["pass_s"] is None else f"{r['pass_s']:.3f}",
+                      f"{r['intern_s_per_call'] * 1e6:.2f}" if intern else "-",
+                      str(r["intern_calls_per_step"]) if intern else "-",
+                      f"{r['intern_overhead']:.2%}" if intern else "-")
+    return table
+
+
+def _targets_table(targets: list[dict], summary: dict[str, Any], inner: str):
+    table = _table(f"Ratios (rope_dedup over {inner} alone) and targets", ("", "measured", "target", ""))
+    for t in targets:
+        percent = t["limit"] < 1
+        shown = f"{t['measured']:.2%}" if percent else f"{t['measured']:.2f}"
+        limit = f"{t['comparison']} {t['limit']:.0%}" if percent else f"{t['comparison']} {t['limit']:.2f}"
+        table.add_row(t["target"], shown, limit, "[green]met" if t["met"] else "[red]not met")
+    if "step_ratio_min" in summary:
+        table.add_row("step time rope_dedup / alone, fastest steps", f"{summary['step_ratio_min']:.2f}", "", "")
+        table.add_row("first call (compile) rope_dedup / alone", f"{summary['first_call_ratio']:.2f}", "", "")
+    return table
+
+
+def _bytes_or_dash(value: int | None) -> str:
+    return "-" if value is None else _fmt_bytes(value)
+
+
+# -- audit --------------------------------------------------------------------------------------------
+
+def _audit(args: argparse.Namespace, console) -> int:
+    from rope_dedup.explain import explain
+
+    factory = load_factory(args.factory)
+    try:
+        built = factory()
+    except Exception as error:
+        print(f"rope-dedup audit: error: {args.factory}() raised {prof.describe_error(error)[0]}", file=sys.stderr)
+        return RUN_ERROR
+    model, inputs = _model_and_inputs(built, args.factory)
+    try:
+        explanation = explain(model, *inputs)
+    except Exception as error:
+        print(f"rope-dedup audit: error: the dry run failed: {prof.describe_error(error)[0]}", file=sys.stderr)
+        return RUN_ERROR
+    _print_explanation(explanation, console)
+    return 0
+
+
+def load_factory(spec: str):
+    """``MODULE:FACTORY`` -> the callable; MODULE is a dotted name (found from the current folder, as with
+    ``python -m``) or a ``.py`` path (its folder goes first on ``sys.path``, as with ``python path.py``)."""
+    module_name, colon, attribute = spec.rpartition(":")
+    if not colon or not module_name or not attribute:
+        raise BadInput(f"expected MODULE:FACTORY (e.g. examples/audit.py:build), got {spec!r}")
+    try:
+        if module_name.endswith(".py") or os.sep in module_name:
+            module = _import_file(Path(module_name))
+        else:
+            sys.path.insert(0, os.getcwd())
+            module = importlib.import_module(module_name)
+    except BadInput:
+        raise
+    except (Exception, SystemExit) as error:  # a script's argparse exiting at import counts too
+        raise BadInput(f"cannot import {module_name}: {prof.describe_error(error)[0]}") from None
+    factory = getattr(module, attribute, None)
+    if not callable(factory):
+        raise BadInput(f"{module_name} has no callable {attribute!r}")
+    return factory
+
+
+def _import_file(path: Path):
+    if not path.is_file():
+        raise BadInput(f"no such file: {path}")
+    sys.path.insert(0, str(path.resolve().parent))
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[path.stem] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _model_and_inputs(built: Any, spec: str) -> tuple[torch.nn.Module, tuple]:
+    if isinstance(built, tuple) and len(built) == 2 and isinstance(built[0], torch.nn.Module):
+        model, inputs = built
+        return model, (inputs if isinstance(inputs, (tuple, list)) else (inputs,))
+    raise BadInput(f"{spec}() returned {type(built).__name__}; expected (model, example_inputs)")
+
+
+def _print_explanation(explanation, console) -> None:
+    from rich.table import Table
+
+    from rope_dedup.explain import COLUMNS
+
+    console.print(explanation.headline(), highlight=False)
+    if explanation.layers:
+        table = Table(*COLUMNS, caption="* key differs from most layers; one group letter = identical content")
+        for odd, cells in explanation.rows():
+            if cells[0] and table.row_count:  # a rule between layers
+                table.add_section()
+            table.add_row(*cells, style="bold yellow" if odd else None)
+        console.print(table)
+    for line in explanation.notes():
+        console.print(line, style="bold yellow" if line.startswith("* ") else None, markup=False, highlight=False)

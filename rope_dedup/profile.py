@@ -1,0 +1,460 @@
+"""Memory and time of a toy decoder under eager, ``torch.compile`` and rope_dedup, one fresh process per mode.
+
+Each mode runs in its own interpreter (``python -m rope_dedup.profile MODE CONFIG RESULT``) so that its
+peak RSS and its inductor cache (a fresh ``TORCHINDUCTOR_CACHE_DIR``) belong to it alone, and with
+a fixed glibc mmap threshold so that freed tables leave RSS in every mode (see :func:`run_mode`). The child
+builds the model, computes the ideal RoPE storage on its own (exact-equality groups of the model's
+tables, not the pass's groups), then measures three phases: build, first call (compile) and steps.
+Peak RSS is read per phase (``getrusage``, with the high-water mark reset between phases through
+``/proc/self/clear_refs``), because every mode builds the same copies first: what sharing changes is
+the memory the compiled model runs in.
+
+Setting ``ROPE_DEDUP_PROFILE_OOM=MODE[,MODE]`` makes those modes' children request an impossible
+allocation after building the model: the real allocator failure path, for tests and for checking
+how a failure is shown.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import platform
+import resource
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import timeit
+import traceback
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Callable, Sequence
+
+import torch
+
+from rope_dedup.tensors import same_values
+
+MODES = ("eager", "compile", "rope_dedup", "regional")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+PATTERNS = ("homogeneous", "local_global")
+INNERS = ("inductor", "aot_eager", "eager")
+_TOY_PATH = Path(__file__).resolve().parent.parent / "examples" / "toy_decoder.py"
+_VOCAB = 64
+
+
+@dataclass(frozen=True)
+class ProfileConfig:
+    """The model every mode builds, and how it is run. ``context`` is the RoPE table length."""
+
+    layers: int = 2
+    context: int = 65536
+    head_dim: int = 128
+    heads: int = 2
+    dtype: str = "float32"
+    layout: str = "cos_sin"
+    pattern: str = "homogeneous"
+    device: str = "cpu"
+    inner: str = "inductor"
+    modes: tuple[str, ...] = ("eager", "compile", "rope_dedup")
+    batch: int = 1
+    seq: int = 16
+    steps: int = 20
+    step_seconds: float = 1.0  # and stepping lasts at least this long: sub-ms steps need a window wider than a load burst
+    threads: int = 1  # one intra-op thread: step times on a shared 2-core machine stay comparable
+
+
+PRESETS = {
+    "default": ProfileConfig(),
+    # torchtitan #4111: 40 layers each holding a 128K x 64 complex64 freqs_cis (67 MB), ~2.7 GB of copies.
+    # torchtitan compiles block by block, so the regional mode is part of this case.
+    "titan-128k": ProfileConfig(layers=40, context=131072, head_dim=128, heads=2, layout="complex",
+                                modes=("eager", "compile", "rope_dedup", "regional")),
+}
+
+
+def load_toy_decoder() -> ModuleType:
+    """The repository's ``examples/toy_decoder.py`` (the profiled model); it needs a source checkout."""
+    name = "_rope_dedup_toy_decoder"
+    if name in sys.modules:
+        return sys.modules[name]
+    if not _TOY_PATH.is_file():
+        raise FileNotFoundError(f"the profile's model, examples/toy_decoder.py, is not at {_TOY_PATH}: "
+                                f"run from a source checkout (pip install -e .)")
+    spec = importlib.util.spec_from_file_location(name, _TOY_PATH)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up while the file executes
+    spec.loader.exec_module(module)
+    return module
+
+
+def profile_layouts() -> tuple[str, ...]:
+    """Toy layouts the profile accepts: ``lazy_cache`` is written during forward, so it is state, not a
+    table, and an "ideal" storage for it would be meaningless."""
+    return tuple(layout for layout in load_toy_decoder().LAYOUTS if layout != "lazy_cache")
+
+
+def build_model(config: ProfileConfig) -> torch.nn.Module:
+    """The toy decoder ``config`` describes, in eval mode on its device."""
+    toy = load_toy_decoder()
+    spec = dict(layout=config.layout, max_len=config.context, dtype=DTYPES[config.dtype])
+    if config.pattern == "local_global":
+        specs = toy.local_global(config.layers, **spec)
+    else:
+        specs = toy.homogeneous(config.layers, **spec)
+    with torch.device(config.device):  # tables built where they live, as model code would
+        model = toy.ToyDecoder(specs, d_model=config.heads * config.head_dim, heads=config.heads, vocab=_VOCAB)
+    return model.eval()
+
+
+def ideal_storage(tables: Sequence[torch.Tensor]) -> tuple[int, int]:
+    """(count, bytes) of storages if every distinct table were stored once: exact-equality groups."""
+    distinct: list[torch.Tensor] = []
+    for table in tables:
+        if not any(d.dtype == table.dtype and d.shape == table.shape and same_values(d, table) for d in distinct):
+            distinct.append(table)
+    return load_toy_decoder().unique_storages(distinct)
+
+
+# -- the child: one mode, one process ---------------------------------------------------------------
+
+class _Capture:
+    """Backend wrapper that keeps each compiled callable with its example inputs, to time interning on
+    real arguments afterwards. It only acts at compile time: the step path is not wrapped."""
+
+    def __init__(self, backend: Callable) -> None:
+        self.backend = backend
+        self.compiled: list[tuple[Callable, list]] = []
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence) -> Callable:
+        compiled = self.backend(gm, example_inputs)
+        self.compiled.append((compiled, list(example_inputs)))
+        return compiled
+
+
+@dataclass
+class _Peaks:
+    """High-water marks per phase: process RSS, and on CUDA ``max_memory_allocated``.
+
+    Without a resettable RSS peak (not Linux) the phases stay None and only the process peak is known.
+    """
+
+    cuda: bool
+    resettable: bool = os.access("/proc/self/clear_refs", os.W_OK)
+    rss: dict[str, int | None] = field(default_factory=dict)
+    cuda_max: dict[str, int] = field(default_factory=dict)
+
+    def end_phase(self, phase: str) -> None:
+        self.rss[phase] = _max_rss() if self.resettable else None
+        if self.resettable:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # Linux >= 4.0: reset the peak RSS that getrusage reports
+        if self.cuda:
+            self.cuda_max[phase] = torch.cuda.max_memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+
+    def process_peak(self) -> int:
+        return max(v for v in self.rss.values() if v is not None) if self.resettable else _max_rss()
+
+
+def _max_rss() -> int:
+    scale = 1 if sys.platform == "darwin" else 1024  # ru_maxrss: bytes on macOS, KiB on Linux
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
+
+
+def _current_rss() -> int | None:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _state_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
+    """Buffers and plain tensor attributes (GPT-J keeps its table as one), not parameters."""
+    tensors = list(model.buffers())
+    for module in model.modules():
+        tensors += [v for v in vars(module).values() if isinstance(v, torch.Tensor)]
+    return tensors
+
+
+def _prepare(mode: str, model: torch.nn.Module, inner: str) -> tuple[Callable, Any, _Capture | None]:
+    """(what to call, the rope_dedup backend or None, the capturing wrapper or None) for ``mode``."""
+    from rope_dedup.backend import RopeDedupBackend
+
+    if mode == "eager":
+        return model, None, None
+    if mode == "compile":
+        return torch.compile(model, backend=inner), None, None
+    backend = RopeDedupBackend(inner=inner)
+    capture = _Capture(backend)
+    if mode == "rope_dedup":
+        return torch.compile(model, backend=capture), backend, capture
+    for i, block in enumerate(model.layers):  # regional compile, as torchtitan does it
+        model.layers[i] = torch.compile(block, backend=capture)
+    return model, backend, capture
+
+
+def _interning_cost(capture: _Capture, step: Callable[[], Any]) -> tuple[float, int] | None:
+    """(seconds per call of the steady-state ``intern_inputs``, calls per step), or None if nothing interns."""
+    from rope_dedup.interning import InterningCallable
+
+    interning = [(fn, args) for fn, args in capture.compiled if isinstance(fn, InterningCallable)]
+    if not interning:
+        return None
+    calls = {id(fn): 0 for fn, _ in interning}
+    for fn, _ in interning:  # count calls during one step through an instance attribute, then remove it
+        def counted(args, fn=fn, original=fn.intern_inputs):
+            calls[id(fn)] += 1
+            return original(args)
+        fn.intern_inputs = counted
+    try:
+        step()
+    finally:
+        for fn, _ in interning:
+            del fn.intern_inputs
+    number = 1000
+    seconds = 0.0
+    for fn, args in interning:
+        runs = timeit.repeat(lambda: fn.intern_inputs(args), number=number, repeat=5)
+        seconds += statistics.median(runs) / number * calls[id(fn)]
+    total_calls = sum(calls.values())
+    return (seconds / total_calls if total_calls else 0.0), total_calls
+
+
+def _simulated_oom(mode: str, device: str) -> None:
+    if mode in os.environ.get("ROPE_DEDUP_PROFILE_OOM", "").split(","):
+        torch.empty(1 << 62, dtype=torch.uint8, device=device)
+
+
+def measure(config: ProfileConfig, mode: str) -> dict[str, Any]:
+    """Build, compile and run ``config``'s model in ``mode`` in this process; every figure as a dict."""
+    torch.set_num_threads(config.threads)
+    toy = load_toy_decoder()
+    cuda = config.device == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    torch.manual_seed(0)
+    model = build_model(config)
+    tokens = torch.randint(0, _VOCAB, (config.batch, config.seq), device=config.device)
+    tables = [t for _, t in toy.rope_tensors(model)]
+    ideal_count, ideal_bytes = ideal_storage(tables)
+    before_count, before_bytes = toy.unique_storages(tables)
+    with torch.no_grad():
+        reference = model(tokens)
+    _simulated_oom(mode, config.device)
+    peaks = _Peaks(cuda)
+    peaks.end_phase("build")
+
+    run, backend, capture = _prepare(mode, model, config.inner)
+
+    def step() -> torch.Tensor:
+        with torch.no_grad():
+            out = run(tokens)
+        sync()
+        return out
+
+    started = time.perf_counter()
+    out = step()
+    first_call = time.perf_counter() - started
+    peaks.end_phase("compile")
+    times: list[float] = []
+    while len(times) < config.steps or sum(times) < config.step_seconds:
+        started = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - started)
+    peaks.end_phase("steps")
+    q1, step_median, q3 = statistics.quantiles(times, n=4) if len(times) > 1 else times * 3
+    after_count, after_bytes = toy.unique_storages(tables)
+    interning = _interning_cost(capture, step) if capture is not None else None
+    return {
+        "mode": mode,
+        "rope_tables": len(tables),
+        "rope_storages_before": before_count,
+        "rope_bytes_before": before_bytes,
+        "rope_storages": after_count,
+        "rope_bytes": after_bytes,
+        "ideal_storages": ideal_count,
+        "ideal_bytes": ideal_bytes,
+        "buffer_bytes": toy.unique_storages(_state_tensors(model))[1],
+        "peak_rss_build": peaks.rss["build"],
+        "peak_rss_compile": peaks.rss["compile"],
+        "peak_rss_steps": peaks.rss["steps"],
+        "peak_rss_process": peaks.process_peak(),
+        "rss_end": _current_rss(),
+        "cuda_allocated": torch.cuda.memory_allocated() if cuda else None,
+        "cuda_max_allocated_steps": peaks.cuda_max.get("steps"),
+        "cuda_max_allocated_process": max(peaks.cuda_max.values()) if cuda else None,
+        "first_call_s": first_call,
+        "steps": len(times),
+        "step_s": step_median,
+        "step_s_min": min(times),
+        "step_s_quartiles": [q1, q3],
+        "max_abs_err_vs_eager": float((out.float() - reference.float()).abs().max()),
+        "graphs": backend.graphs_compiled if backend is not None else None,
+        "pass_s": backend.pass_seconds if backend is not None else None,
+        "pass_errors": backend.errors if backend is not None else None,
+        "intern_s_per_call": interning[0] if interning else None,
+        "intern_calls_per_step": interning[1] if interning else None,
+        "intern_overhead": interning[0] * interning[1] / step_median if interning else None,
+    }
+
+
+def describe_error(error: BaseException) -> tuple[str, bool]:
+    """(one-line description, whether it is an out-of-memory failure)."""
+    lines = str(error).strip().splitlines()
+    text = lines[0] if lines else ""
+    oom = (isinstance(error, (MemoryError, torch.OutOfMemoryError))
+           or "can't allocate memory" in text or "out of memory" in text.lower())
+    if oom:
+        return f"out of memory: {text or type(error).__name__}", True
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__, False
+
+
+def _child_main(argv: list[str]) -> int:
+    mode, config_json, result_path = argv
+    config = ProfileConfig(**{**json.loads(config_json), "modes": ()})
+    try:
+        result, code = measure(config, mode), 0
+    except Exception as error:  # the parent shows one line per failed mode; the rest still print
+        message, oom = describe_error(error)
+        result = {"mode": mode, "error": message, "traceback": traceback.format_exc()}
+        code = 3 if oom else 1
+    Path(result_path).write_text(json.dumps(result))
+    return code
+
+
+# -- the parent ---------------------------------------------------------------------------------------
+
+def run_mode(config: ProfileConfig, mode: str, workdir: str, timeout: float | None = None) -> dict[str, Any]:
+    """Run one mode in a fresh interpreter; its figures, or ``{"mode", "error"}`` with one line."""
+    result_path = Path(workdir) / f"{mode}.json"
+    cache = Path(workdir) / f"{mode}-inductor-cache"
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache), "TRITON_CACHE_DIR": str(cache / "triton"),
+           "OMP_NUM_THREADS": str(config.threads),
+           # glibc moves its mmap threshold up as blocks are freed, so identical runs may keep freed tables in
+           # the heap or not: peak RSS then varies by up to all tables' size. A fixed 4 MiB threshold gives
+           # tables their own mappings, returned to the OS when freed, in every mode alike.
+           "MALLOC_MMAP_THRESHOLD_": str(4 << 20)}
+    command = [sys.executable, "-m", "rope_dedup.profile", mode, json.dumps(asdict(config)), str(result_path)]
+    try:
+        child = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"mode": mode, "error": f"timed out after {timeout:g} s"}
+    if result_path.is_file():
+        return json.loads(result_path.read_text())
+    return {"mode": mode, "error": _exit_reason(child.returncode, child.stderr)}
+
+
+def _exit_reason(returncode: int, stderr: str) -> str:
+    if returncode == -signal.SIGKILL:
+        return "killed by SIGKILL (most likely the kernel's out-of-memory killer)"
+    if returncode < 0:
+        return f"killed by {signal.Signals(-returncode).name}"
+    last = next((line for line in reversed(stderr.splitlines()) if line.strip()), "no output")
+    return f"exited with status {returncode}: {last.strip()}"
+
+
+def environment() -> dict[str, Any]:
+    """What the figures depend on besides the config."""
+    return {
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpus": os.cpu_count(),
+        "loadavg_1min": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+        "cuda_device": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+    }
+
+
+def run_profile(
+    config: ProfileConfig,
+    on_start: Callable[[str], None] = lambda mode: None,
+    on_done: Callable[[str, dict], None] = lambda mode, result: None,
+    timeout: float | None = None,
+) -> dict[str, Any]:
+    """Run every mode of ``config`` one after the other (never concurrently: they would share the CPUs)."""
+    before = environment()
+    results = {}
+    with tempfile.TemporaryDirectory(prefix="rope-dedup-profile-") as workdir:
+        for mode in config.modes:
+            on_start(mode)
+            results[mode] = run_mode(config, mode, workdir, timeout)
+            on_done(mode, results[mode])
+    env = {**before, "loadavg_1min_after": environment()["loadavg_1min"]}
+    return {"config": asdict(config), "environment": env, "modes": results, "summary": summarize(results)}
+
+
+def summarize(results: dict[str, dict]) -> dict[str, Any]:
+    """Ratios against the targets: rope_dedup (and regional) over ``compile`` with the same inner backend."""
+    ok = {mode: r for mode, r in results.items() if "error" not in r}
+    base, dedup = ok.get("compile"), ok.get("rope_dedup")
+    summary: dict[str, Any] = {}
+    for mode in ("rope_dedup", "regional"):
+        if mode in ok and ok[mode]["ideal_bytes"]:
+            summary[f"{mode}_rope_bytes_vs_ideal"] = ok[mode]["rope_bytes"] / ok[mode]["ideal_bytes"]
+        if mode in ok and ok[mode]["intern_overhead"] is not None:
+            summary[f"{mode}_intern_overhead"] = ok[mode]["intern_overhead"]
+    if base and dedup:
+        summary["pass_vs_compile"] = dedup["pass_s"] / base["first_call_s"]
+        summary["step_ratio"] = dedup["step_s"] / base["step_s"]
+        summary["step_ratio_min"] = dedup["step_s_min"] / base["step_s_min"]
+        summary["first_call_ratio"] = dedup["first_call_s"] / base["first_call_s"]
+        if base["peak_rss_steps"] is not None and dedup["peak_rss_steps"] is not None:
+            summary["peak_rss_steps_saved"] = base["peak_rss_steps"] - dedup["peak_rss_steps"]
+        summary["rope_bytes_saved"] = base["rope_bytes"] - dedup["rope_bytes"]
+    return summary
+
+
+TARGETS = (  # (summary key, label, limit, how it is judged)
+    ("rope_dedup_rope_bytes_vs_ideal", "RoPE bytes after / ideal", 1.0, "=="),
+    ("regional_rope_bytes_vs_ideal", "RoPE bytes after / ideal (regional)", 1.0, "=="),
+    ("pass_vs_compile", "pass time / compile time (target set for 32 layers)", 0.02, "<="),
+    ("rope_dedup_intern_overhead", "interning / step time (target set for 2 layers)", 0.02, "<="),
+    ("regional_intern_overhead", "interning / step time, regional", 0.02, "<="),
+    ("step_ratio", "step time rope_dedup / alone", 1.0, "<="),
+)
+
+
+def check_targets(summary: dict[str, Any]) -> list[tuple[str, float, float, str, bool]]:
+    """(label, measured, limit, comparison, met) for every target this run measured."""
+    rows = []
+    for key, label, limit, how in TARGETS:
+        if key in summary:
+            value = summary[key]
+            met = abs(value - limit) < 1e-9 if how == "==" else value <= limit
+            rows.append((label, value, limit, how, met))
+    return rows
+
+
+def mode_label(mode: str, inner: str) -> str:
+    """How a mode is shown: ``compile`` is named after its backend (rope_dedup modes compile with it too)."""
+    return {"eager": "eager", "compile": inner, "rope_dedup": "rope_dedup", "regional": "rope_dedup regional"}[mode]
+
+
+def describe_config(config: dict[str, Any]) -> str:
+    """One line naming the profiled model and how it ran (``config`` as in the result: a dict)."""
+    return (f"toy decoder: {config['layers']} layers, context {config['context']}, head_dim {config['head_dim']}, "
+            f"{config['heads']} heads, {config['dtype']} {config['layout']} tables ({config['pattern']}), "
+            f"{config['device']}, {config['threads']} thread(s); step = batch {config['batch']} x {config['seq']} "
+            f"tokens, median of >= {config['steps']} steps and >= {config['step_seconds']:g} s")
+
+
+def describe_preset(config: ProfileConfig) -> str:
+    """A preset in a few words, for ``--help``."""
+    return (f"{config.layers} layers, context {config.context}, head_dim {config.head_dim}, {config.dtype} "
+            f"{config.layout}, modes {','.join(config.modes)}")
+
+
+def apply_overrides(config: ProfileConfig, **overrides: Any) -> ProfileConfig:
+    """``config`` with every override that is not None."""
+    return replace(config, **{k: v for k, v in overrides.items() if v is not None})
+
+
+if __name__ == "__main__":
+    status = _child_main(sys.argv[1:])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)  # the result is written: skip teardown (inductor's compile workers take ~2 s to stop)

@@ -1,0 +1,194 @@
+"""The ``rope-dedup`` command line: profile end to end, audit, and every kind of bad input."""
+
+from __future__ import annotations
+
+import json
+import runpy
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from rope_dedup.cli import _modes, main
+from rope_dedup.profile import MODES
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = Path(sys.executable).with_name("rope-dedup")
+FAST = ["--inner", "eager", "--layers", "2", "--context", "256", "--head-dim", "16", "--steps", "2",
+        "--step-seconds", "0"]
+
+
+def one_error_line(stderr: str, prog: str) -> str:
+    lines = [line for line in stderr.splitlines() if line.startswith(f"{prog}: error:")]
+    assert len(lines) == 1, stderr
+    assert "Traceback" not in stderr
+    return lines[0]
+
+
+# -- profile --------------------------------------------------------------------------------------------
+
+def test_profile_writes_every_figure_and_the_plot(tmp_path, capsys) -> None:
+    out, png = tmp_path / "profile.json", tmp_path / "profile.png"
+    args = ["profile", "--inner", "eager", "--layers", "2", "--context", "512", "--head-dim", "32", "--steps", "3",
+            "--step-seconds", "0", "--modes", "compile,rope_dedup,regional", "--json", str(out), "--plot", str(png),
+            "--timeout", "300"]
+    assert main(args) == 0
+    result = json.loads(out.read_text())
+    modes = result["modes"]
+    assert list(modes) == ["compile", "rope_dedup", "regional"]  # eager: in the out-of-memory test
+    ideal = 2 * 512 * 16 * 4  # one cos and one sin table, (512, 16) float32
+    for mode, figures in modes.items():
+        assert figures["ideal_bytes"] == ideal
+        assert figures["rope_bytes"] == (ideal if mode in ("rope_dedup", "regional") else 2 * ideal), mode
+        assert figures["max_abs_err_vs_eager"] == 0.0  # inner eager: bitwise equal
+        assert figures["peak_rss_process"] > 0 and figures["step_s"] > 0
+    assert modes["regional"]["intern_calls_per_step"] == 2 and modes["rope_dedup"]["intern_calls_per_step"] == 1
+    assert modes["rope_dedup"]["pass_s"] > 0 and modes["compile"]["pass_s"] is None
+    assert result["summary"]["rope_dedup_rope_bytes_vs_ideal"] == 1.0
+    assert {t["target"] for t in result["targets"]} >= {"RoPE bytes after / ideal", "step time rope_dedup / alone"}
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    shown = capsys.readouterr().out
+    assert "rope_dedup regional" in shown and "ideal, each distinct table stored once: 2 storage(s)" in shown
+
+
+def test_out_of_memory_in_one_child_is_one_line_and_the_others_still_print(monkeypatch, capsys) -> None:
+    monkeypatch.setenv("ROPE_DEDUP_PROFILE_OOM", "rope_dedup")  # that child asks for 4 EiB after building
+    assert main(["profile", *FAST, "--modes", "eager,rope_dedup", "--timeout", "300"]) == 1
+    captured = capsys.readouterr()
+    line = one_error_line(captured.err, "rope-dedup profile")
+    assert line.startswith("rope-dedup profile: error: rope_dedup: out of memory: ")
+    assert "can't allocate memory" in line
+    assert "  eager " in captured.out  # the eager row of the memory table
+
+
+def test_a_child_past_its_timeout_is_one_line(capsys) -> None:
+    assert main(["profile", *FAST, "--modes", "eager", "--timeout", "0.2"]) == 1
+    assert one_error_line(capsys.readouterr().err, "rope-dedup profile") == \
+        "rope-dedup profile: error: eager: timed out after 0.2 s"
+
+
+def test_unknown_preset_is_one_line_with_the_choices() -> None:
+    run = subprocess.run([SCRIPT, "profile", "--preset", "titan-1m"], capture_output=True, text=True)
+    assert run.returncode == 2
+    line = one_error_line(run.stderr, "rope-dedup profile")
+    assert "invalid choice: 'titan-1m'" in line and "titan-128k" in line
+    assert run.stdout == ""
+
+
+def test_python_dash_m_runs_the_same_command_line(monkeypatch, capsys) -> None:
+    monkeypatch.setattr(sys, "argv", ["rope_dedup", "profile", "--help"])
+    with pytest.raises(SystemExit) as exit:
+        runpy.run_module("rope_dedup", run_name="__main__")
+    assert exit.value.code == 0 and "--preset {default,titan-128k}" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_without_cuda_is_one_line(capsys) -> None:
+    assert main(["profile", "--device", "cuda"]) == 2
+    line = one_error_line(capsys.readouterr().err, "rope-dedup profile")
+    assert "--device cuda asked for, but CUDA is not available" in line
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--seq", "64", "--context", "32"], "--seq 64 exceeds the table length --context 32"),
+    (["--head-dim", "15"], "--head-dim must be even"),
+    (["--modes", "eager,jit"], "unknown mode(s) jit"),
+    (["--layout", "lazy_cache"], "argument --layout: invalid choice: 'lazy_cache'"),
+    (["--layers", "0"], "expected a positive integer, got 0"),
+    (["--json", "/nonexistent/folder/out.json"], "folder /nonexistent/folder does not exist"),
+])
+def test_bad_profile_options_are_one_line(args, message, capsys) -> None:
+    try:
+        code = main(["profile", *args])
+    except SystemExit as exit:  # argparse's own checks
+        code = exit.code
+    assert code == 2
+    assert message in one_error_line(capsys.readouterr().err, "rope-dedup profile")
+
+
+def test_modes_list() -> None:
+    assert _modes("all") == MODES
+    assert _modes("rope_dedup, compile") == ("rope_dedup", "compile")
+
+
+def test_missing_rich_is_one_line(monkeypatch, capsys) -> None:
+    monkeypatch.setitem(sys.modules, "rich", None)
+    monkeypatch.setitem(sys.modules, "rich.console", None)
+    assert main(["profile"]) == 2
+    assert "needs rich: pip install 'rope-dedup[demo]'" in one_error_line(capsys.readouterr().err, "rope-dedup profile")
+
+
+def test_missing_matplotlib_fails_before_profiling(monkeypatch, tmp_path, capsys) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    assert main(["profile", "--plot", str(tmp_path / "p.png")]) == 2
+    assert "--plot needs matplotlib" in one_error_line(capsys.readouterr().err, "rope-dedup profile")
+
+
+def test_the_library_imports_without_rich_or_matplotlib() -> None:
+    code = ("import sys; sys.modules['rich'] = sys.modules['matplotlib'] = None\n"
+            "import rope_dedup, rope_dedup.cli, rope_dedup.profile, rope_dedup.plot\n"
+            "print(rope_dedup.explain.__name__)")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "explain"
+
+
+# -- audit ----------------------------------------------------------------------------------------------
+
+@pytest.fixture(autouse=True)
+def isolated_imports(monkeypatch, tmp_path_factory):
+    """The audit imports user modules and puts their folder on sys.path: undo both after each test."""
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    before = set(sys.modules)
+    yield
+    user_code = (str(tmp_path_factory.getbasetemp()), str(ROOT / "examples"))
+    for name in set(sys.modules) - before:
+        if (getattr(sys.modules[name], "__file__", None) or "").startswith(user_code):
+            del sys.modules[name]
+
+
+def test_audit_of_a_file_factory_marks_the_odd_layer(capsys) -> None:
+    assert main(["audit", str(ROOT / "examples" / "audit.py") + ":build"]) == 0
+    out = capsys.readouterr().out
+    assert "layers.5 *" in out
+    assert "* layers.5 differs from most layers: theta 10000 (most layers: 500000)" in out
+
+
+def test_audit_of_a_dotted_module(tmp_path, monkeypatch, capsys) -> None:
+    (tmp_path / "my_model.py").write_text(
+        "import torch\nfrom toy_decoder import ToyDecoder, local_global\n"
+        "def make():\n    return ToyDecoder(local_global(3, max_len=32)), torch.zeros(1, 4, dtype=torch.long)\n")
+    monkeypatch.chdir(tmp_path)
+    assert main(["audit", "my_model:make"]) == 0
+    assert "* layers.2 differs from most layers: theta 1e+06" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("spec, source, message, code", [
+    ("no_colon", None, "expected MODULE:FACTORY", 2),
+    ("surely_not_a_module:build", None, "cannot import surely_not_a_module: ModuleNotFoundError", 2),
+    ("missing.py:build", None, "no such file: missing.py", 2),
+    ("broken.py:build", "import not_installed_anywhere\n", "cannot import broken.py: ModuleNotFoundError", 2),
+    ("plain.py:build", "x = 1\n", "plain.py has no callable 'build'", 2),
+    ("raises.py:build", "def build():\n    raise ValueError('no weights here')\n",
+     "raises.py:build() raised ValueError: no weights here", 1),
+    ("wrong.py:build", "def build():\n    return 42\n", "wrong.py:build() returned int; expected (model, example_inputs)", 2),
+])
+def test_bad_factories_are_one_line(spec, source, message, code, tmp_path, monkeypatch, capsys) -> None:
+    monkeypatch.chdir(tmp_path)
+    if source is not None:
+        (tmp_path / spec.split(":")[0]).write_text(source)
+    assert main(["audit", spec]) == code
+    assert message in one_error_line(capsys.readouterr().err, "rope-dedup audit")
+
+
+# -- the presets, for real (minutes) ---------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_default_preset_with_inductor(tmp_path) -> None:
+    out = tmp_path / "default.json"
+    run = subprocess.run([SCRIPT, "profile", "--json", str(out)], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr
+    summary = json.loads(out.read_text())["summary"]
+    assert summary["rope_dedup_rope_bytes_vs_ideal"] == 1.0

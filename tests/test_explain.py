@@ -1,0 +1,61 @@
+"""rope_dedup.explain: per-layer keys, the odd layer marked, skips with reasons, and nothing shared."""
+
+from __future__ import annotations
+
+import torch
+from toy_decoder import RopeSpec, ToyDecoder, homogeneous, local_global, rope_tensors, unique_storages
+
+from rope_dedup import RopeDedupBackend, explain
+from rope_dedup.explain import split_layer
+
+TOKENS = torch.randint(0, 64, (1, 8))
+
+
+def test_local_global_marks_the_global_layers_and_their_theta() -> None:
+    model = ToyDecoder(local_global(6, every=3, max_len=64))
+    result = explain(model, TOKENS)
+    assert [row.layer for row in result.odd_layers] == ["layers.2", "layers.5"]
+    assert result.odd_layers[0].differs == ("theta 1e+06 (most layers: 10000)",)
+    thetas = {row.layer: {t.key.theta for t in row.tables} for row in result.layers}
+    assert thetas["layers.0"] == {1e4} and thetas["layers.5"] == {1e6}
+    # cos and sin of the local layers, cos and sin of the global ones
+    assert sorted(len(members) for members in result.groups.values()) == [2, 2, 4, 4]
+    text = str(result)
+    assert "layers.2 *" in text and "* layers.5 differs from most layers: theta 1e+06" in text
+
+
+def test_a_theta_that_never_reached_one_layer_is_flagged() -> None:
+    model = ToyDecoder(homogeneous(5, theta=5e5, max_len=64) + [RopeSpec(max_len=64)])
+    odd = explain(model, TOKENS).odd_layers
+    assert [(row.layer, row.differs) for row in odd] == [("layers.5", ("theta 10000 (most layers: 500000)",))]
+
+
+def test_shares_nothing_and_lists_every_skip_with_its_reason() -> None:
+    specs = homogeneous(2, layout="inv_freq", max_len=64) + [RopeSpec(layout="lazy_cache", max_len=64)]
+    model = ToyDecoder(specs)
+    tables = [t for _, t in rope_tensors(model)]
+    before = unique_storages(tables)
+    result = explain(model, tokens=TOKENS)
+    assert unique_storages(tables) == before
+    assert [(s.path, s.reason.split(" (")[0]) for s in result.skipped] == [
+        ("layers.2.attention.rope.cached_freqs", "written in the graph")]
+    assert result.parameters_skipped == len(list(model.parameters()))
+    # the forward never reads original_inv_freq: not examined, and said so
+    assert result.unread == ("layers.0.attention.rope.original_inv_freq", "layers.1.attention.rope.original_inv_freq")
+    assert result.report.bytes_before > result.report.bytes_after  # what sharing *would* save
+
+
+def test_audits_do_not_use_up_the_models_recompile_slots() -> None:
+    # Dynamo stops compiling a code object after 8 entries; audits must not leave theirs on forward.
+    for _ in range(9):
+        assert explain(ToyDecoder(homogeneous(2, max_len=64)), TOKENS).layers
+    backend = RopeDedupBackend("eager")
+    with torch.no_grad():
+        torch.compile(ToyDecoder(homogeneous(2, max_len=64)), backend=backend)(TOKENS)
+    assert backend.graphs_compiled == 1
+
+
+def test_split_layer() -> None:
+    assert split_layer("layers.12.attention.rope.cos") == ("layers.12", "attention.rope.cos")
+    assert split_layer("rope.freqs_cis") == ("rope", "freqs_cis")
+    assert split_layer("freqs_cis") == ("(model)", "freqs_cis")
