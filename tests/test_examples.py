@@ -19,25 +19,35 @@ EXPECTED = {  # script -> lines its output must contain
 TAKES_INNER = {name for name in EXPECTED if name != "audit.py"}
 
 
+def start(name: str, *args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, str(EXAMPLES / name), *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def check(name: str, process: subprocess.Popen) -> None:
+    out, err = process.communicate(timeout=600)
+    assert process.returncode == 0, err
+    for line in EXPECTED[name]:
+        assert line in out, out
+
+
+@pytest.fixture(scope="module")
+def fast_runs() -> dict[str, subprocess.Popen]:
+    """All scripts started at once with the eager inner backend: they are mostly interpreter start-up."""
+    return {name: start(name, *(["--inner", "eager"] if name in TAKES_INNER else [])) for name in EXPECTED}
+
+
 def test_every_example_is_covered() -> None:
     scripts = {p.name for p in EXAMPLES.glob("*.py") if p.name != "toy_decoder.py"}
     assert scripts == set(EXPECTED)
 
 
-def run_example(name: str, *args: str) -> str:
-    run = subprocess.run([sys.executable, str(EXAMPLES / name), *args], capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr
-    for line in EXPECTED[name]:
-        assert line in run.stdout, run.stdout
-    return run.stdout
-
-
 @pytest.mark.parametrize("name", sorted(EXPECTED))
-def test_example_runs(name: str) -> None:
-    run_example(name, *(["--inner", "eager"] if name in TAKES_INNER else []))
+def test_example_runs(name: str, fast_runs) -> None:
+    check(name, fast_runs[name])
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(TAKES_INNER))
 def test_example_runs_with_inductor(name: str) -> None:
-    run_example(name)
+    check(name, start(name))
