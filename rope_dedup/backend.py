@@ -43,7 +43,7 @@ class RopeDedupBackend:
         self.strict = strict
         self.store = CanonicalStore(dry_run=dry_run)
         self.graphs_compiled = 0
-        self.pass_seconds = 0.0  # time spent in the dedup pass itself, all graphs together
+        self.pass_seconds = 0.0  # the pass plus its safety copy of the graph, all graphs together
         self.errors: list[str] = []
 
     def _inner_backend(self) -> Callable:
@@ -51,8 +51,8 @@ class RopeDedupBackend:
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence) -> Callable:
         inner = self._inner_backend()
-        pristine = _copy_graph_module(gm)
         started = time.perf_counter()
+        pristine = _copy_graph_module(gm)
         try:
             result = dedup_rope(gm, example_inputs, store=self.store)
         except Exception as error:
@@ -67,9 +67,10 @@ class RopeDedupBackend:
         self.pass_seconds += time.perf_counter() - started
         self.graphs_compiled += 1
         counters["rope_dedup"]["graphs"] += 1
-        log.info("rope_dedup: graph %d: %d RoPE input(s) interned, %d merged group(s); %s",
-                 self.graphs_compiled - 1, len(result.rope_inputs), len(result.merged_inputs),
-                 str(self.report).splitlines()[0])
+        if log.isEnabledFor(logging.INFO):  # the summary builds a whole report: only when someone reads it
+            log.info("rope_dedup: graph %d: %d RoPE input(s) interned, %d merged group(s); %s",
+                     self.graphs_compiled - 1, len(result.rope_inputs), len(result.merged_inputs),
+                     str(self.report).splitlines()[0])
         compiled = inner(gm, example_inputs)
         fallback = None
         if result.merged_inputs:

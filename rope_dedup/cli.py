@@ -19,7 +19,7 @@ from typing import Any, NoReturn, Sequence
 import torch
 
 from rope_dedup import profile as prof
-from rope_dedup.report import _fmt_bytes
+from rope_dedup.report import format_bytes
 
 USAGE_ERROR, RUN_ERROR = 2, 1
 
@@ -217,8 +217,8 @@ def _print_profile(result: dict[str, Any], console) -> None:
             console.print(f"WARNING {prof.mode_label(mode, inner)}: {error}", style="red", markup=False, highlight=False)
     if "peak_rss_steps_saved" in summary:
         saved = summary["peak_rss_steps_saved"]
-        console.print(f"rope_dedup vs {inner} alone: RoPE storage {_fmt_bytes(summary['rope_bytes_saved'])} less; "
-                      f"peak RSS while running {_fmt_bytes(abs(saved))} {'less' if saved >= 0 else 'more'}",
+        console.print(f"rope_dedup vs {inner} alone: RoPE storage {format_bytes(summary['rope_bytes_saved'])} less; "
+                      f"peak RSS while running {format_bytes(abs(saved))} {'less' if saved >= 0 else 'more'}",
                       highlight=False)
 
 
@@ -238,14 +238,14 @@ def _memory_table(ok: dict[str, dict], inner: str, cuda: bool):
                    ("mode", "RoPE tensors→storages", "RoPE bytes", "÷ ideal", "buffers", "peak RSS running",
                     "peak RSS process", *(("CUDA alloc", "CUDA max running") if cuda else ()), "max |Δ| vs eager"),
                    caption=f"ideal, each distinct table stored once: {ideal['ideal_storages']} storage(s), "
-                           f"{_fmt_bytes(ideal['ideal_bytes'])}. Peak RSS running: from the end of the first call "
+                           f"{format_bytes(ideal['ideal_bytes'])}. Peak RSS running: from the end of the first call "
                            f"(compile) to the last step; process: the whole child, model build included.")
     for mode, r in ok.items():
         table.add_row(prof.mode_label(mode, inner), f"{r['rope_tables']} → {r['rope_storages']}",
-                      _fmt_bytes(r["rope_bytes"]), f"{r['rope_bytes'] / r['ideal_bytes']:.2f}",
-                      _fmt_bytes(r["buffer_bytes"]), _bytes_or_dash(r["peak_rss_steps"]),
-                      _fmt_bytes(r["peak_rss_process"]),
-                      *((_fmt_bytes(r["cuda_allocated"]), _fmt_bytes(r["cuda_max_allocated_steps"])) if cuda else ()),
+                      format_bytes(r["rope_bytes"]), f"{r['rope_bytes'] / r['ideal_bytes']:.2f}",
+                      format_bytes(r["buffer_bytes"]), _bytes_or_dash(r["peak_rss_steps"]),
+                      format_bytes(r["peak_rss_process"]),
+                      *((format_bytes(r["cuda_allocated"]), format_bytes(r["cuda_max_allocated_steps"])) if cuda else ()),
                       f"{r['max_abs_err_vs_eager']:.1e}")
     return table
 
@@ -280,7 +280,7 @@ def _targets_table(targets: list[dict], summary: dict[str, Any], inner: str):
 
 
 def _bytes_or_dash(value: int | None) -> str:
-    return "-" if value is None else _fmt_bytes(value)
+    return "-" if value is None else format_bytes(value)
 
 
 # -- audit --------------------------------------------------------------------------------------------

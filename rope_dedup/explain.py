@@ -16,7 +16,7 @@ import torch
 
 from rope_dedup.backend import RopeDedupBackend
 from rope_dedup.keys import RopeKey
-from rope_dedup.report import DedupReport, Skip, _fmt_bytes, _table, tensor_paths
+from rope_dedup.report import DedupReport, Skip, format_bytes, format_table, tensor_paths
 
 log = logging.getLogger("rope_dedup")
 
@@ -65,7 +65,7 @@ class Explanation:
     def headline(self) -> str:
         tables = sum(len(row.tables) for row in self.layers)
         return (f"RoPE audit: {tables} table(s) in {len(self.layers)} layer(s), {len(self.groups)} distinct; "
-                f"sharing would take {_fmt_bytes(self.report.bytes_before)} -> {_fmt_bytes(self.report.bytes_after)}")
+                f"sharing would take {format_bytes(self.report.bytes_before)} -> {format_bytes(self.report.bytes_after)}")
 
     def rows(self) -> list[tuple[bool, tuple[str, ...]]]:
         """(layer differs from the majority, cells under :data:`COLUMNS`) per table; the layer named once."""
@@ -98,7 +98,7 @@ class Explanation:
         return lines
 
     def __str__(self) -> str:
-        table = _table([COLUMNS] + [cells for _, cells in self.rows()]) if self.layers else []
+        table = format_table([COLUMNS] + [cells for _, cells in self.rows()]) if self.layers else []
         return "\n".join([self.headline(), *table, *self.notes()])
 
 

@@ -94,15 +94,15 @@ class DedupReport:
     def __str__(self) -> str:
         lines = [f"rope_dedup: {len(self.groups)} distinct RoPE table(s), "
                  f"{sum(len(g.members) for g in self.groups)} tensor(s); "
-                 f"{_fmt_bytes(self.bytes_before)} -> {_fmt_bytes(self.bytes_after)} "
-                 f"(saved {_fmt_bytes(self.bytes_saved)})"]
+                 f"{format_bytes(self.bytes_before)} -> {format_bytes(self.bytes_after)} "
+                 f"(saved {format_bytes(self.bytes_saved)})"]
         if self.groups:
             rows = [("key", "tensors", "before", "after", "members")]
             for g in self.groups:
                 members = ", ".join(g.members[:3]) + (f", ... (+{len(g.members) - 3})" if len(g.members) > 3 else "")
-                rows.append((str(g.key), str(len(g.members)), _fmt_bytes(g.bytes_before),
-                             _fmt_bytes(g.bytes_after), members))
-            lines += _table(rows)
+                rows.append((str(g.key), str(len(g.members)), format_bytes(g.bytes_before),
+                             format_bytes(g.bytes_after), members))
+            lines += format_table(rows)
         for error in self.errors:
             lines.append(f"ERROR: {error}")
         for g in self.conflicts:
@@ -118,23 +118,28 @@ class DedupReport:
         return "\n".join(lines)
 
 
-def _table(rows: list[tuple[str, ...]]) -> list[str]:
+def format_table(rows: list[tuple[str, ...]]) -> list[str]:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return ["  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
 
 
-def tensor_paths(model: torch.nn.Module) -> dict[int, str]:
-    """id(tensor) -> full path for every parameter, buffer and plain tensor attribute of ``model``."""
-    paths: dict[int, str] = {}
+def module_tensors(model: torch.nn.Module) -> dict[int, tuple[str, torch.Tensor]]:
+    """id(tensor) -> (first full path, tensor) for every parameter, buffer and plain tensor attribute."""
+    found: dict[int, tuple[str, torch.Tensor]] = {}
     for prefix, module in model.named_modules(remove_duplicate=False):
         attributes = {k: v for k, v in vars(module).items() if isinstance(v, torch.Tensor)}
         for name, tensor in {**module._parameters, **module._buffers, **attributes}.items():
             if tensor is not None:
-                paths.setdefault(id(tensor), f"{prefix}.{name}" if prefix else name)
-    return paths
+                found.setdefault(id(tensor), (f"{prefix}.{name}" if prefix else name, tensor))
+    return found
 
 
-def _fmt_bytes(n: int) -> str:
+def tensor_paths(model: torch.nn.Module) -> dict[int, str]:
+    """id(tensor) -> full path for every parameter, buffer and plain tensor attribute of ``model``."""
+    return {ident: path for ident, (path, _) in module_tensors(model).items()}
+
+
+def format_bytes(n: int) -> str:
     if abs(n) < 1000:
         return f"{n} B"
     value = float(n)

@@ -181,7 +181,7 @@ class CanonicalStore:
             mine = local(tensor)
             with torch.no_grad():
                 mine.set_(mine.clone(memory_format=torch.preserve_format))
-        log.info("rope_dedup: %s has its own storage again", member.name)
+            log.info("rope_dedup: %s has its own storage again", member.name)
         return True
 
     def _skip(self, name: str, reason: str) -> Offer:

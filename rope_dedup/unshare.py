@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from rope_dedup.backend import RopeDedupBackend, rope_dedup_backend
-from rope_dedup.report import tensor_paths
+from rope_dedup.report import module_tensors
 
 
 def unshare(model: torch.nn.Module, backend: RopeDedupBackend = rope_dedup_backend) -> list[str]:
@@ -16,12 +16,5 @@ def unshare(model: torch.nn.Module, backend: RopeDedupBackend = rope_dedup_backe
     graphs that merged these tables notice the broken sharing and run an un-merged graph. Returns the
     paths of the tensors that were unshared.
     """
-    tensors: dict[int, torch.Tensor] = {}
-    for _, module in model.named_modules(remove_duplicate=False):
-        attributes = [v for v in vars(module).values() if isinstance(v, torch.Tensor)]
-        for tensor in [*module._parameters.values(), *module._buffers.values(), *attributes]:
-            if tensor is not None:
-                tensors.setdefault(id(tensor), tensor)
-    paths = tensor_paths(model)
-    return [paths[ident] for ident, tensor in tensors.items()
-            if backend.store.release(tensor, reason="released by rope_dedup.unshare: never shared again")]
+    reason = "released by rope_dedup.unshare: never shared again"
+    return [path for path, tensor in module_tensors(model).values() if backend.store.release(tensor, reason=reason)]
