@@ -141,6 +141,8 @@ def _from_columns(x: torch.Tensor, eps: float, floor: float) -> RopeTable | NotR
         found = _from_parts(layout, {whole: cols}, eps)
         if isinstance(found, RopeTable) or x.shape[-1] % 2:
             return found
+    else:
+        found = NotRope("values do not follow cos/sin of position x frequency")
     if x.shape[-1] % 2 == 0:
         left, right = x.split(x.shape[-1] // 2, dim=-1)
         names = (_kind(left, eps, floor), _kind(right, eps, floor))
@@ -150,7 +152,8 @@ def _from_columns(x: torch.Tensor, eps: float, floor: float) -> RopeTable | NotR
                 suffix = f"-{mode_l}" if mode_l else ""
                 layout = f"{names[0]}{suffix}|{names[1]}{suffix}"
                 return _from_parts(layout, {names[0]: left, names[1]: right}, eps)
-    return NotRope("values do not follow cos/sin of position x frequency")
+    # Not two blocks side by side: the reason the whole table failed is the one to report.
+    return found
 
 
 def _from_parts(layout: str, parts: dict[str, torch.Tensor], eps: float) -> RopeTable | NotRope:
@@ -204,8 +207,9 @@ def _from_parts(layout: str, parts: dict[str, torch.Tensor], eps: float) -> Rope
     span = (length - 1) * freqs
     reliable, rough = span > 8 * noise, False
     if int(reliable.sum()) < 2:
-        # A few positions of a half-precision table: the values are RoPE but pin theta only roughly.
-        reliable, rough = span > noise, True
+        # A few positions of a half-precision table: the values are RoPE (the rebuild matched) but pin theta
+        # only roughly. Every column whose values moved at all then counts, weighted by how well it is known.
+        reliable, rough = freqs > 0, True
     if int(reliable.sum()) < 2:
         return NotRope("fewer than 2 frequencies move measurably: constant, or too short to identify")
     return RopeTable(

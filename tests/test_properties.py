@@ -59,12 +59,25 @@ def read_by_forward(name: str) -> bool:
     return not name.endswith("original_inv_freq")
 
 
+def moving_frequencies(tensor: torch.Tensor) -> int:
+    """Distinct columns whose values change with position: fewer than 2 and no theta can be told from them.
+
+    Short bf16/fp16 tables of a large theta round every slow column to its position-0 value."""
+    if tensor.dim() == 1:
+        return tensor.numel()  # inv_freq: no positions to move along
+    x = torch.view_as_real(tensor) if tensor.is_complex() else tensor
+    x = x.reshape([s for s in x.shape if s != 1]).flatten(1)
+    moving = x[:, (x != x[0]).any(0)]
+    return len({tuple(column.tolist()) for column in moving.T})
+
+
 def ideal_storages(model: torch.nn.Module) -> int:
-    """Written caches and unread buffers keep their own storage; the rest: one per distinct content."""
+    """Written caches, unread buffers and unidentifiable tables keep their own storage; the rest: one per
+    distinct content."""
     distinct: list[torch.Tensor] = []
     own = 0
     for name, tensor in rope_tensors(model):
-        if written(name) or not read_by_forward(name):
+        if written(name) or not read_by_forward(name) or moving_frequencies(tensor) < 2:
             own += 1
         elif not any(t.dtype == tensor.dtype and t.shape == tensor.shape and same_values(t, tensor) for t in distinct):
             distinct.append(tensor)

@@ -473,6 +473,27 @@ def test_single_position_is_rejected() -> None:
         assert_not_rope(table[:, :, :1] if table.dim() == 4 else table[:1])
 
 
+@pytest.mark.parametrize("dtype", HALF, ids=str)
+@pytest.mark.parametrize("layout", ["cos", "hf_cos", "sin", "titan", "complex"])
+def test_short_half_precision_tables_get_an_approximate_theta(layout: str, dtype: torch.dtype) -> None:
+    """16 positions of a slow table: only the fastest columns move beyond the dtype's rounding, so theta is
+    pinned roughly, and the key says so instead of stating a precise wrong value."""
+    if layout == "complex":
+        dtype = torch.complex32 if dtype == torch.float16 and torch.complex32 in COMPLEX else torch.complex64
+    key = key_of(make_table(layout, 1e6, 8, 16, dtype, scaling="linear"))
+    if key.scaling and "theta approximate" in key.scaling:
+        assert_theta(key, 1e6, rel=0.5)
+    else:
+        assert_theta(key, 1e6, rel=1e-2)
+
+
+def test_a_table_with_one_moving_column_says_why_it_is_skipped() -> None:
+    """bf16 rounds cos(15 * 0.004) to 1: only the first frequency moves, so theta cannot be told at all."""
+    table = make_table("cos", 1e6, 8, 16, torch.bfloat16, scaling="linear", factor=8.0)
+    assert int((table != table[0]).any(0).sum()) == 1
+    assert "fewer than 2 frequencies move" in assert_not_rope(table).reason
+
+
 # --- 4. keys --------------------------------------------------------------------------------------
 
 def test_rope_key_is_a_frozen_hashable_dataclass() -> None:
