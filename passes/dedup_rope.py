@@ -19,13 +19,14 @@ from rope_dedup.tensors import has_storage, local, memory_ptr, placement, storag
 class RopeDedupResult(PassResult):
     """A ``PassResult`` that also carries the report and what run-time interning needs.
 
-    ``rope_inputs``: example-input position -> (path, kind) of each shared RoPE table, to intern at run time.
+    ``rope_inputs``: example-input position -> (path, kind, persistent) of each shared RoPE table, to intern
+    at run time.
     ``merged_inputs``: groups of input positions whose uses now read the first one; valid only while
     they share memory, which the backend checks on every call.
     """
 
     report: DedupReport
-    rope_inputs: dict[int, tuple[str, str]]
+    rope_inputs: dict[int, tuple[str, str, bool]]
     merged_inputs: list[tuple[int, ...]]
 
 
@@ -34,6 +35,7 @@ def dedup_rope(
     example_inputs: Sequence | None = None,
     *,
     store: CanonicalStore | None = None,
+    share_persistent: bool = False,
 ) -> RopeDedupResult:
     """Share identical RoPE tables read by ``gm`` and rewrite the graph to read one node per table.
 
@@ -43,20 +45,26 @@ def dedup_rope(
     so dynamo guards hold). Written tables, trainable parameters and non-RoPE tensors are left alone
     and listed in the report with the reason. ``example_inputs`` are needed for dynamo graphs, whose
     state arrives as placeholders; ``store`` lets a backend share across the graphs it compiles.
+    Buffers saved in a ``state_dict`` are shared only with ``share_persistent=True`` (or a store made
+    with it); note that ``symbolic_trace`` registers every buffer it copies as persistent.
     """
-    store = CanonicalStore() if store is None else store
+    if store is None:
+        store = CanonicalStore(share_persistent=share_persistent)
+    elif share_persistent and not store.share_persistent:
+        raise ValueError("share_persistent=True conflicts with the store's policy: make the store with it")
     candidates = find_rope_candidates(gm, example_inputs)
     written = _written_candidates(candidates, find_mutations(gm))
     kept: list[Candidate] = []
     for candidate in candidates:
-        offer = store.offer(candidate.tensor, candidate.path, candidate.kind, written.get(candidate.node))
+        offer = store.offer(candidate.tensor, candidate.path, candidate.kind, written.get(candidate.node),
+                            candidate.persistent)
         if offer.status != "skipped":
             kept.append(candidate)
     duplicates, merged = _duplicates_by_memory(kept) if not store.dry_run else ({}, [])
     modified = redirect_to_canonical(gm, duplicates)
     result = RopeDedupResult(gm, modified)
     result.report = DedupReport.from_store(store)
-    result.rope_inputs = {c.input_index: (c.path, c.kind) for c in kept if c.input_index is not None}
+    result.rope_inputs = {c.input_index: (c.path, c.kind, c.persistent) for c in kept if c.input_index is not None}
     result.merged_inputs = merged
     gm.meta["rope_dedup_report"] = result.report
     return result

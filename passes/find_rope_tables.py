@@ -26,6 +26,7 @@ class Candidate:
     path: str
     kind: str  # buffer, parameter, attribute or global
     input_index: int | None  # position in example_inputs for placeholders, None for get_attr
+    persistent: bool = False  # a buffer saved in its module's state_dict (or one whose module was not found)
 
 
 def find_rope_candidates(gm: torch.fx.GraphModule, example_inputs: Sequence | None = None) -> list[Candidate]:
@@ -40,7 +41,8 @@ def find_rope_candidates(gm: torch.fx.GraphModule, example_inputs: Sequence | No
             if origin.kind == "input":
                 continue
             kind = "parameter" if isinstance(value, torch.nn.Parameter) else origin.kind
-            candidates.append(Candidate(node, value, origin.path, kind, index))
+            persistent = kind == "buffer" and origin.persistent is not False
+            candidates.append(Candidate(node, value, origin.path, kind, index, persistent))
     for node in gm.graph.nodes:
         if node.op != "get_attr":
             continue
@@ -55,5 +57,7 @@ def find_rope_candidates(gm: torch.fx.GraphModule, example_inputs: Sequence | No
             kind = "buffer"
         else:
             kind = "attribute"
-        candidates.append(Candidate(node, value, node.target, kind, None))
+        # symbolic_trace registers every buffer it copies as persistent: the GraphModule's state_dict has it.
+        persistent = kind == "buffer" and attr not in owner._non_persistent_buffers_set
+        candidates.append(Candidate(node, value, node.target, kind, None, persistent))
     return candidates

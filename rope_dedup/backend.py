@@ -35,13 +35,16 @@ class RopeDedupBackend:
     graph breaks share too; two instances never share with each other. With ``strict=True`` an
     unexpected error inside the pass is raised; otherwise the graph is compiled without sharing and the
     error is logged and kept in ``report.errors``. With ``dry_run=True`` nothing is aliased or
-    rewritten: the report says what would be shared (see :func:`rope_dedup.explain`).
+    rewritten: the report says what would be shared (see :func:`rope_dedup.explain`). Buffers saved in
+    a ``state_dict`` (persistent ones) are skipped with the reason unless ``share_persistent=True``:
+    safetensors' ``save_file`` refuses tensors that share memory (``save_model`` handles them).
     """
 
-    def __init__(self, inner: str | Callable = "inductor", *, strict: bool = False, dry_run: bool = False) -> None:
+    def __init__(self, inner: str | Callable = "inductor", *, strict: bool = False, dry_run: bool = False,
+                 share_persistent: bool = False) -> None:
         self.inner = inner
         self.strict = strict
-        self.store = CanonicalStore(dry_run=dry_run)
+        self.store = CanonicalStore(dry_run=dry_run, share_persistent=share_persistent)
         self.graphs_compiled = 0
         self.pass_seconds = 0.0  # the pass plus its safety copy of the graph, all graphs together
         self.errors: list[str] = []

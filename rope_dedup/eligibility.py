@@ -7,11 +7,19 @@ import torch
 from rope_dedup.tensors import is_dtensor, local
 
 
-def why_not_shareable(tensor: torch.Tensor, kind: str, written: str | None) -> str | None:
+PERSISTENT_REASON = (
+    "persistent buffer (in the state_dict): shared storage would make safetensors' save_file refuse the "
+    "state_dict and load_state_dict write every sharer; share_persistent=True opts in"
+)
+
+
+def why_not_shareable(tensor: torch.Tensor, kind: str, written: str | None, persistent: bool = False,
+                      share_persistent: bool = False) -> str | None:
     """Return the reason a tensor must keep its own storage, or None if it may be shared.
 
     ``kind`` is where it lives (buffer, parameter, attribute, global); ``written`` describes an in-place
-    write the graph performs on it, if any.
+    write the graph performs on it, if any; ``persistent`` says a buffer is saved in its module's
+    ``state_dict``, which is shared only when ``share_persistent`` opts in.
     """
     if isinstance(tensor, torch.nn.Parameter) and tensor.requires_grad:
         return "trainable parameter (requires grad): never shared"
@@ -19,6 +27,8 @@ def why_not_shareable(tensor: torch.Tensor, kind: str, written: str | None) -> s
         return "requires grad: aliasing would merge gradient flows"
     if written is not None:
         return f"written in the graph ({written}): mutable state, never shared"
+    if persistent and not share_persistent:
+        return PERSISTENT_REASON
     if is_dtensor(tensor):
         sharded = [p for p in tensor.placements if not p.is_replicate()]
         if sharded:

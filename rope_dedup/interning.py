@@ -34,13 +34,13 @@ class InterningCallable:
         self,
         compiled: Callable,
         store: CanonicalStore,
-        rope_inputs: dict[int, tuple[str, str]],
+        rope_inputs: dict[int, tuple[str, str, bool]],
         merged_inputs: list[tuple[int, ...]],
         fallback: Callable[[Sequence], Callable] | None = None,
     ) -> None:
         self._compiled = compiled
         self._store = store
-        self._rope_inputs = rope_inputs  # input position -> (graph-relative path, kind)
+        self._rope_inputs = rope_inputs  # input position -> (graph-relative path, kind, persistent)
         self._positions = tuple(rope_inputs)
         self._merged = merged_inputs
         self._fallback_factory = fallback
@@ -69,9 +69,9 @@ class InterningCallable:
     def _intern(self, position: int, tensor: torch.Tensor) -> None:
         if tensor in self._rejected:
             return
-        path, kind = self._rope_inputs[position]
+        path, kind, persistent = self._rope_inputs[position]
         try:
-            offer = self._store.offer(tensor, path, kind)
+            offer = self._store.offer(tensor, path, kind, persistent=persistent)
         except Exception as error:  # never let bookkeeping break a forward pass
             log.warning("rope_dedup: run-time interning of %s failed, left unshared: %r", path, error)
             counters["rope_dedup"]["intern_errors"] += 1

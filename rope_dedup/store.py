@@ -63,8 +63,9 @@ class Offer:
 class CanonicalStore:
     """Canonical RoPE tables by key, verified equal before any sharing, weakly referenced."""
 
-    def __init__(self, dry_run: bool = False) -> None:
+    def __init__(self, dry_run: bool = False, share_persistent: bool = False) -> None:
         self.dry_run = dry_run  # decide and report, but alias nothing (rope_dedup.explain)
+        self.share_persistent = share_persistent  # also share buffers saved in a state_dict (opt-in)
         self._groups: list[_Group] = []
         self._group_of: dict[int, _Group] = {}  # id(tensor) -> group
         self._ptr_count: dict[int, int] = {}  # data_ptr of live members -> how many
@@ -78,7 +79,8 @@ class CanonicalStore:
         return memory_ptr(tensor) in self._ptr_count
 
     # -- deciding and sharing -----------------------------------------------------------------------
-    def offer(self, tensor: torch.Tensor, name: str, kind: str = "buffer", written: str | None = None) -> Offer:
+    def offer(self, tensor: torch.Tensor, name: str, kind: str = "buffer", written: str | None = None,
+              persistent: bool = False) -> Offer:
         """Share ``tensor`` with an equal canonical table if it is an unwritten RoPE table; else record why not."""
         if id(tensor) in self._group_of:
             if written is None:
@@ -89,7 +91,7 @@ class CanonicalStore:
             self._excluded[tensor] = f"written in the graph ({written}) of another compiled graph"
         elif tensor in self._excluded:
             return self._skip(name, self._excluded[tensor])
-        reason = why_not_shareable(tensor, kind, written)
+        reason = why_not_shareable(tensor, kind, written, persistent, self.share_persistent)
         if reason is not None:
             return self._skip(name, reason)
         group = self._find_equal(tensor)

@@ -31,7 +31,7 @@ class Tables(nn.Module):
 
 def run_pass(**tables: torch.Tensor):
     model = Tables(**tables)
-    result = dedup_rope(torch.fx.symbolic_trace(model))
+    result = dedup_rope(torch.fx.symbolic_trace(model), share_persistent=True)
     return model, result.report, {s.path: s.reason for s in result.report.skipped}
 
 
@@ -98,7 +98,7 @@ class Attributes(nn.Module):
 def test_rope_tables_held_as_parameters() -> None:
     model = Attributes(trained=nn.Parameter(cos_table()), frozen_a=nn.Parameter(cos_table(), requires_grad=False),
                        frozen_b=nn.Parameter(cos_table(), requires_grad=False))
-    result = dedup_rope(torch.fx.symbolic_trace(model))
+    result = dedup_rope(torch.fx.symbolic_trace(model), share_persistent=True)
     skipped = {s.path: s.reason for s in result.report.skipped}
     assert skipped["trained"].startswith("trainable parameter")
     assert model.frozen_a.data_ptr() == model.frozen_b.data_ptr() != model.trained.data_ptr()
@@ -115,7 +115,7 @@ class Tagged(torch.Tensor):
 
 def test_tensor_subclasses_are_skipped() -> None:
     model = Attributes(a=cos_table().as_subclass(Tagged), b=cos_table().as_subclass(Tagged))
-    result = dedup_rope(torch.fx.symbolic_trace(model))
+    result = dedup_rope(torch.fx.symbolic_trace(model), share_persistent=True)
     skipped = {s.path: s.reason for s in result.report.skipped}
     assert skipped["a"] == "tensor subclass Tagged is not supported"
     assert model.a.data_ptr() != model.b.data_ptr()

@@ -67,7 +67,7 @@ class TestSymbolicTrace(expecttest.TestCase):
         x = torch.randn(2, 16, 8)
         expected = model(x)
         gm = torch.fx.symbolic_trace(model)
-        result = dedup_rope(gm)
+        result = dedup_rope(gm, share_persistent=True)
         self.assertIsInstance(result, PassResult)
         self.assertTrue(result.modified)
         gm.graph.lint()
@@ -116,7 +116,7 @@ def forward(self, x : _torch_Tensor_) -> _torch_Tensor_:
 
     def test_report_names_groups_and_bytes(self) -> None:
         model = Stack([1e4, 1e4, 1e6])
-        result = dedup_rope(torch.fx.symbolic_trace(model))
+        result = dedup_rope(torch.fx.symbolic_trace(model), share_persistent=True)
         report = result.report
         self.assertIsInstance(report, DedupReport)
         self.assertIs(result.graph_module.meta["rope_dedup_report"], report)
@@ -137,7 +137,7 @@ def forward(self, x : _torch_Tensor_) -> _torch_Tensor_:
     def test_second_run_changes_nothing(self) -> None:
         model = Stack([1e4, 1e4])
         gm = torch.fx.symbolic_trace(model)
-        store = CanonicalStore()
+        store = CanonicalStore(share_persistent=True)
         self.assertTrue(dedup_rope(gm, store=store).modified)
         code = gm.code
         self.assertFalse(dedup_rope(gm, store=store).modified)
@@ -149,7 +149,7 @@ def forward(self, x : _torch_Tensor_) -> _torch_Tensor_:
             model.layers[1].rope.cos[3, 1] += 1e-6
         x = torch.randn(1, 16, 8)
         expected = model(x)
-        result = dedup_rope(torch.fx.symbolic_trace(model))
+        result = dedup_rope(torch.fx.symbolic_trace(model), share_persistent=True)
         self.assertEqual(model(x).tolist(), expected.tolist())
         conflicts = result.report.conflicts
         self.assertEqual([g.members for g in conflicts], [["layers.1.rope.cos"]])
@@ -201,7 +201,7 @@ class TestSafety(expecttest.TestCase):
     def test_written_buffers_are_never_shared(self) -> None:
         model = WritesInPlace()
         x = torch.randn(1, 16, 8)
-        result = dedup_rope(torch.fx.symbolic_trace(model))
+        result = dedup_rope(torch.fx.symbolic_trace(model), share_persistent=True)
         skipped = {s.path: s.reason for s in result.report.skipped}
         self.assertIn("written in the graph (setitem)", skipped["cache"])
         # symbolic_trace turns the view cos[:2] into a constant that aliases cos: the write still counts.
@@ -230,7 +230,7 @@ class TestSafety(expecttest.TestCase):
         model.layers[0].rope.cos = nn.Parameter(cos.clone())
         del model.layers[1].rope.sin
         model.layers[1].rope.sin = nn.Parameter(rope_table()[1], requires_grad=False)
-        result = dedup_rope(torch.fx.symbolic_trace(model))
+        result = dedup_rope(torch.fx.symbolic_trace(model), share_persistent=True)
         skipped = {s.path: s.reason for s in result.report.skipped}
         self.assertIn("trainable parameter", skipped["layers.0.rope.cos"])
         members = {m for g in result.report.groups for m in g.members}
@@ -249,7 +249,7 @@ class TestSafety(expecttest.TestCase):
                 return y + (y[..., :1, :1] * self.mask).sum() + (y[..., :1, :1] * self.mask2).sum()
 
         model = WithMask()
-        result = dedup_rope(torch.fx.symbolic_trace(model))
+        result = dedup_rope(torch.fx.symbolic_trace(model), share_persistent=True)
         skipped = {s.path: s.reason for s in result.report.skipped}
         self.assertTrue(skipped["mask"].startswith("not RoPE-like"))
         self.assertNotEqual(model.mask.data_ptr(), model.mask2.data_ptr())

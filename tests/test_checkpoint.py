@@ -1,0 +1,157 @@
+"""Checkpoint safety: state_dict keys, torch.save round trips, and the persistent-buffer policy.
+
+safetensors' ``save_file`` refuses tensors that share memory, and ``load_state_dict`` copies into every
+tensor in place. So buffers saved in a ``state_dict`` (persistent ones) are shared only when the user opts
+in with ``share_persistent=True``; by default they are skipped with the reason. Non-persistent buffers and
+plain tensor attributes (where RoPE caches usually live) are never in a ``state_dict``: they are shared.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_model, save_file, save_model
+from toy_decoder import RopeSpec, ToyDecoder, homogeneous, rope_tensors, unique_storages
+
+from rope_dedup import RopeDedupBackend, dedup_rope, unshare
+from rope_dedup.eligibility import PERSISTENT_REASON
+
+TOKENS = torch.randint(0, 64, (1, 8), generator=torch.Generator().manual_seed(0))
+LAYERS = 4
+
+
+def decoder(persistent: bool, seed: int = 0) -> ToyDecoder:
+    """Four layers of identical cos/sin tables; ``persistent`` registers them as HF's older models did."""
+    torch.manual_seed(seed)
+    model = ToyDecoder(homogeneous(LAYERS, max_len=64))
+    if persistent:
+        for module in model.modules():
+            module._non_persistent_buffers_set.clear()
+    return model
+
+
+def storages(model: torch.nn.Module) -> int:
+    return unique_storages([t for _, t in rope_tensors(model)])[0]
+
+
+def compiled(model: ToyDecoder, **options) -> tuple[torch.nn.Module, RopeDedupBackend]:
+    backend = RopeDedupBackend("eager", **options)
+    compiled_model = torch.compile(model, backend=backend)
+    compiled_model(TOKENS)
+    return compiled_model, backend
+
+
+def test_persistent_buffers_are_skipped_by_default_with_the_reason() -> None:
+    model = decoder(persistent=True)
+    _, backend = compiled(model)
+    assert storages(model) == 2 * LAYERS
+    skipped = {s.path: s.reason for s in backend.report.skipped}
+    for name, _ in rope_tensors(model):
+        assert skipped[name] == PERSISTENT_REASON
+    assert not backend.report.groups
+
+
+@pytest.mark.parametrize("share_persistent", [False, True])
+def test_regional_compile_applies_the_policy_to_every_block(share_persistent: bool) -> None:
+    """One graph serves every block: persistence is read from the block it was compiled for, and run-time
+    interning applies the same decision to the others (instances of a class register buffers alike)."""
+    model = decoder(persistent=True)
+    backend = RopeDedupBackend("eager", share_persistent=share_persistent)
+    for i, block in enumerate(model.layers):
+        model.layers[i] = torch.compile(block, backend=backend)
+    model(TOKENS)
+    assert storages(model) == (2 if share_persistent else 2 * LAYERS)
+    reasons = {s.reason for s in backend.report.skipped if "rope" in s.path}
+    assert reasons == (set() if share_persistent else {PERSISTENT_REASON})
+
+
+def test_default_model_saves_with_safetensors_save_file(tmp_path) -> None:
+    for persistent in (False, True):
+        model = decoder(persistent)
+        compiled(model)
+        save_file(model.state_dict(), tmp_path / f"model-{persistent}.safetensors")
+
+
+def test_share_persistent_opts_in_and_save_model_round_trips(tmp_path) -> None:
+    model = decoder(persistent=True)
+    compiled_model, backend = compiled(model, share_persistent=True)
+    assert storages(model) == 2
+    assert len(backend.report.groups) == 2
+    # The documented trap, and why sharing persistent buffers is opt-in:
+    with pytest.raises(RuntimeError, match="share memory"):
+        save_file(model.state_dict(), tmp_path / "refused.safetensors")
+    # The documented way: save_model writes one copy of each shared tensor; load_model checks that the
+    # target shares the same way, so the target is compiled (deduplicated) before loading.
+    save_model(model, str(tmp_path / "model.safetensors"))
+    fresh = decoder(persistent=True, seed=1)
+    with pytest.raises(RuntimeError, match="Missing key"):
+        load_model(fresh, str(tmp_path / "model.safetensors"))
+    fresh_compiled, _ = compiled(fresh, share_persistent=True)
+    load_model(fresh, str(tmp_path / "model.safetensors"))
+    torch.testing.assert_close(fresh_compiled(TOKENS), compiled_model(TOKENS), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("persistent", [False, True], ids=["non_persistent", "persistent_opt_in"])
+def test_state_dict_keys_are_unchanged_and_torch_save_round_trips(tmp_path, persistent: bool) -> None:
+    model = decoder(persistent)
+    keys = list(model.state_dict())
+    compiled_model, _ = compiled(model, share_persistent=persistent)
+    assert storages(model) == 2
+    assert list(model.state_dict()) == keys
+    path = tmp_path / "state.pt"
+    torch.save(model.state_dict(), path)
+    fresh = decoder(persistent, seed=1)
+    fresh.load_state_dict(torch.load(path, weights_only=True))
+    torch.testing.assert_close(fresh(TOKENS), compiled_model(TOKENS), rtol=0, atol=0)
+
+
+def test_loading_a_checkpoint_into_a_deduplicated_model_keeps_outputs() -> None:
+    """load_state_dict copies in place: into shared tables it writes the same values once per sharer."""
+    model = decoder(persistent=True)
+    reference = decoder(persistent=True, seed=1)
+    compiled_model, _ = compiled(model, share_persistent=True)
+    model.load_state_dict(reference.state_dict())
+    assert storages(model) == 2
+    torch.testing.assert_close(compiled_model(TOKENS), reference(TOKENS), rtol=0, atol=0)
+
+
+class Tables(torch.nn.Module):
+    """Two equal non-persistent tables, read with get_attr after symbolic_trace."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        table = ToyDecoder(homogeneous(1, max_len=16)).layers[0].attention.rope.cos
+        self.register_buffer("a", table.clone(), persistent=False)
+        self.register_buffer("b", table.clone(), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.a + x * self.b
+
+
+def test_symbolic_trace_makes_every_buffer_persistent() -> None:
+    """symbolic_trace copies buffers into the GraphModule as persistent ones, and its state_dict has them."""
+    gm = torch.fx.symbolic_trace(Tables())
+    assert set(gm.state_dict()) == {"a", "b"}
+    result = dedup_rope(gm)
+    assert not result.modified
+    assert {s.reason for s in result.report.skipped} == {PERSISTENT_REASON}
+    assert dedup_rope(torch.fx.symbolic_trace(Tables()), share_persistent=True).modified
+
+
+def test_a_checkpoint_with_different_tables_needs_unshare_first() -> None:
+    """Shared tables stay correct only while a checkpoint keeps them equal: load_state_dict copies every
+    sharer's value into the one storage, and the last one wins. unshare() first, then load."""
+    other = ToyDecoder([RopeSpec(max_len=64), RopeSpec(max_len=64, theta=5e5)])
+    state = other.state_dict() | {n: t for n, t in rope_tensors(other)}
+    for trap in (True, False):
+        model = ToyDecoder([RopeSpec(max_len=64)] * 2)
+        for module in model.modules():
+            module._non_persistent_buffers_set.clear()
+        _, backend = compiled(model, share_persistent=True)
+        assert storages(model) == 2
+        if not trap:
+            unshare(model, backend)
+        model.load_state_dict(state)
+        layer0 = model.layers[0].attention.rope.cos
+        assert torch.equal(layer0, state["layers.1.attention.rope.cos"]) == trap
+        assert torch.equal(layer0, state["layers.0.attention.rope.cos"]) != trap
