@@ -3,12 +3,14 @@
 ``torch.compile(model, backend=rope_dedup_backend)`` finds every RoPE cos/sin/freqs_cis table the
 compiled graphs read, keys it by (theta, dim, length, dtype, device, layout, scaling), verifies equal
 content, and leaves one storage per distinct table; :func:`dedup_rope` does the same for a plain
-``torch.fx.GraphModule``. Every tensor examined ends up shared or skipped with a reason in the report.
+``torch.fx.GraphModule`` and :func:`dedup_exported` for a ``torch.export`` program. Every tensor
+examined ends up shared or skipped with a reason in the report.
 """
 
 from rope_dedup.passes.dedup_rope import RopeDedupResult, dedup_rope
 from rope_dedup.backend import RopeDedupBackend, rope_dedup_backend
 from rope_dedup.explain import Explanation, explain
+from rope_dedup.export import dedup_exported
 from rope_dedup.keys import RopeKey, infer_key
 from rope_dedup.recognize import NotRope, RopeTable, recognize_rope_table
 from rope_dedup.report import DedupReport, Group, Skip
@@ -26,6 +28,7 @@ __all__ = [
     "RopeKey",
     "RopeTable",
     "Skip",
+    "dedup_exported",
     "dedup_rope",
     "explain",
     "infer_key",

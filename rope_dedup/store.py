@@ -200,6 +200,14 @@ class CanonicalStore:
         self._names[name] = count + 1
         return name if count == 0 else f"{name}#{count}"
 
+    def canonical_of(self, tensor: torch.Tensor) -> torch.Tensor | None:
+        """The table ``tensor``'s group is represented by (its first live member), or None if not a member.
+
+        Lets a caller that removes duplicates instead of aliasing them (``dedup_exported``, dry runs)
+        find the one tensor to keep."""
+        group = self._group_of.get(id(tensor))
+        return None if group is None else group.canonical()
+
     # -- what the report reads ------------------------------------------------------------------
     def snapshot(self) -> list[tuple[_Group, list[tuple[torch.Tensor, _Member]]]]:
         """Live groups with their live members, for the report."""

@@ -1,0 +1,133 @@
+"""Deduplicate RoPE tables in a ``torch.export`` ``ExportedProgram``.
+
+An exported program lifts module state into graph inputs: non-persistent buffers and plain tensor
+attributes arrive as ``BUFFER`` / ``CONSTANT_TENSOR`` inputs whose values live in ``ep.constants``,
+persistent buffers as ``BUFFER`` inputs with values in ``ep.state_dict``. Identical RoPE tables are
+grouped and verified exactly as the backend does (same store, same rules), then the graph is rewritten to
+read one input per table. The duplicates are dropped from the signature and the constants; a persistent
+buffer (shared only with ``share_persistent=True``) keeps its ``state_dict`` key, which then names the
+canonical tensor, so checkpoints keep their keys. The input program and the model's tensors are untouched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+import warnings
+
+import torch
+import torch.fx
+from torch.export import ExportedProgram
+from torch.export.graph_signature import ExportGraphSignature, InputKind, InputSpec, OutputKind
+
+from rope_dedup.passes.find_mutations import find_mutations
+from rope_dedup.passes.redirect_to_canonical import redirect_to_canonical
+from rope_dedup.report import DedupReport
+from rope_dedup.store import CanonicalStore
+
+log = logging.getLogger("rope_dedup")
+
+_STATE_KINDS = {InputKind.PARAMETER: "parameter", InputKind.BUFFER: "buffer", InputKind.CONSTANT_TENSOR: "attribute"}
+
+
+def dedup_exported(ep: ExportedProgram, *, share_persistent: bool = False) -> ExportedProgram:
+    """Return a program that reads one input per distinct RoPE table, with duplicates dropped.
+
+    Every lifted parameter, buffer and constant tensor is offered to a :class:`CanonicalStore`: written
+    ones (``BUFFER_MUTATION`` outputs or in-place ops), trainable parameters, persistent buffers (unless
+    ``share_persistent=True``) and non-RoPE tensors are skipped with the reason. The report is logged on
+    the ``rope_dedup`` logger and kept in ``result.graph_module.meta["rope_dedup_report"]``.
+    """
+    if not isinstance(ep, ExportedProgram):
+        raise TypeError(f"dedup_exported expects a torch.export.ExportedProgram, got {type(ep).__name__}")
+    with _quiet_pytree_deprecation():
+        gm = copy.deepcopy(ep.graph_module)  # the caller's program stays as it was (it holds no tensors)
+    placeholders = {node.name: node for node in gm.graph.nodes if node.op == "placeholder"}
+    written = _written_inputs(ep, gm, placeholders)
+    # Decide and group without aliasing: the tensors belong to the caller's model; duplicates are dropped.
+    store = CanonicalStore(dry_run=True, share_persistent=share_persistent)
+    offered: list[tuple[InputSpec, torch.Tensor]] = []
+    for spec in ep.graph_signature.input_specs:
+        tensor = _value(ep, spec)
+        if spec.kind not in _STATE_KINDS or not isinstance(tensor, torch.Tensor):
+            continue
+        persistent = spec.kind == InputKind.BUFFER and bool(spec.persistent)
+        offer = store.offer(tensor, spec.target, _STATE_KINDS[spec.kind], written.get(spec.arg.name), persistent)
+        if offer.status != "skipped":
+            offered.append((spec, tensor))
+
+    keeper: dict[int, InputSpec] = {}  # id(canonical tensor) -> the input that stays in use
+    duplicates: dict[torch.fx.Node, torch.fx.Node] = {}
+    aliased: dict[str, torch.Tensor] = {}  # persistent duplicates: state_dict key -> canonical tensor
+    dropped: set[str] = set()  # input names removed from the signature
+    for spec, tensor in offered:
+        canonical = store.canonical_of(tensor)
+        first = keeper.setdefault(id(canonical), spec)
+        if first is spec:
+            continue
+        duplicates[placeholders[spec.arg.name]] = placeholders[first.arg.name]
+        if spec.kind == InputKind.BUFFER and spec.persistent:
+            aliased[spec.target] = _value(ep, first)
+        else:
+            dropped.add(spec.arg.name)
+    redirect_to_canonical(gm, duplicates)
+    for name in dropped:
+        gm.graph.erase_node(placeholders[name])
+    gm.recompile()
+
+    signature = ExportGraphSignature(
+        input_specs=[s for s in ep.graph_signature.input_specs if s.arg.name not in dropped],
+        output_specs=list(ep.graph_signature.output_specs),
+    )
+    kept_targets = {s.target for s in signature.input_specs}
+    constants = {k: v for k, v in ep.constants.items() if k in kept_targets or not isinstance(v, torch.Tensor)}
+    state_dict = {**ep.state_dict, **aliased}
+    with _quiet_pytree_deprecation():
+        result = ExportedProgram(
+            root=gm,
+            graph=gm.graph,
+            graph_signature=signature,
+            state_dict=state_dict,
+            range_constraints=copy.deepcopy(ep.range_constraints),
+            module_call_graph=copy.deepcopy(ep.module_call_graph),
+            example_inputs=ep.example_inputs,
+            constants=constants,
+            verifiers=ep.verifiers,
+        )
+
+    report = DedupReport.from_store(store)
+    result.graph_module.meta["rope_dedup_report"] = report
+    log.info("rope_dedup: exported program: %d input(s) dropped, %d persistent buffer(s) aliased; %s",
+             len(dropped), len(aliased), str(report).splitlines()[0])
+    return result
+
+
+@contextlib.contextmanager
+def _quiet_pytree_deprecation():
+    """Deep-copying an exported program's pytree specs trips a deprecation warning raised within torch
+    itself: not the user's to act on."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=FutureWarning, message=".*LeafSpec.*")
+        yield
+
+
+def _value(ep: ExportedProgram, spec: InputSpec):
+    if spec.kind == InputKind.PARAMETER or (spec.kind == InputKind.BUFFER and spec.persistent):
+        return ep.state_dict.get(spec.target)
+    if spec.kind in (InputKind.BUFFER, InputKind.CONSTANT_TENSOR):
+        return ep.constants.get(spec.target)
+    return None
+
+
+def _written_inputs(ep: ExportedProgram, gm: torch.fx.GraphModule,
+                    placeholders: dict[str, torch.fx.Node]) -> dict[str, str]:
+    """Input name -> how the program writes it: functional BUFFER_MUTATION outputs, or in-place ops."""
+    by_target = {s.target: s.arg.name for s in ep.graph_signature.input_specs if s.target is not None}
+    written = {by_target[s.target]: "updated by the program (BUFFER_MUTATION output)"
+               for s in ep.graph_signature.output_specs
+               if s.kind == OutputKind.BUFFER_MUTATION and s.target in by_target}
+    for node, how in find_mutations(gm).items():
+        if node.op == "placeholder" and node.name in placeholders:
+            written.setdefault(node.name, how)
+    return written
