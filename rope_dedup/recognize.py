@@ -42,8 +42,10 @@ class NotRope:
 
 
 def _eps(dtype: torch.dtype) -> float:
+    """Relative precision of the values: the dtype's, but never finer than float32's, since tables are
+    computed in float32 by most model code and keep that rounding after ``model.double()``."""
     real = torch.empty((), dtype=dtype).real.dtype if dtype.is_complex else dtype
-    return torch.finfo(real).eps
+    return max(torch.finfo(real).eps, torch.finfo(torch.float32).eps)
 
 
 def _floor(dtype: torch.dtype) -> float:

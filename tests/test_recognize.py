@@ -473,6 +473,17 @@ def test_single_position_is_rejected() -> None:
         assert_not_rope(table[:, :, :1] if table.dim() == 4 else table[:1])
 
 
+@pytest.mark.parametrize("layout", ["cos", "sin", "hf_cos", "titan", "stacked", "complex", "inv_freq", "angle"])
+def test_double_precision_tables_computed_in_float32(layout: str) -> None:
+    """model.double() after init: float64 tables that carry float32 rounding (a lifecycle test found it)."""
+    complex_table = layout == "complex"
+    table = make_table(layout, 5e5, 64, 256, torch.complex64 if complex_table else torch.float32)
+    table = table.to(torch.complex128 if complex_table else torch.float64)
+    key = key_of(table)
+    assert key.layout == EXPECTED_LAYOUT[layout] and key.dim == 64
+    assert_theta(key, 5e5)
+
+
 @pytest.mark.parametrize("dtype", HALF, ids=str)
 @pytest.mark.parametrize("layout", ["cos", "hf_cos", "sin", "titan", "complex"])
 def test_short_half_precision_tables_get_an_approximate_theta(layout: str, dtype: torch.dtype) -> None:

@@ -1,0 +1,174 @@
+"""Models change after they are compiled: conversions, re-materialization, deletion, several backends.
+
+``.to(dtype)``, ``.to(device)``, ``to_empty()`` and meta-device init replace every module's buffers with
+new, unshared tensors. A recompile (new dtype or device: dynamo's guards fail) or run-time interning
+(same dtype and device: the compiled graph is reused) must bring memory back to the ideal, with outputs
+equal to eager and a bounded number of graphs.
+"""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+from toy_decoder import RopeSpec, ToyDecoder, homogeneous, local_global, rope_tensors, unique_storages
+
+from rope_dedup import RopeDedupBackend
+
+TOKENS = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+SPECS = {"homogeneous": homogeneous(4, max_len=64), "local_global": local_global(6, every=3, max_len=64)}
+IDEAL = {"homogeneous": 2, "local_global": 4}  # one cos and one sin per distinct theta
+
+
+def storages(model: torch.nn.Module) -> int:
+    return unique_storages([t for _, t in rope_tensors(model)])[0]
+
+
+def graphs() -> int:
+    return counters["stats"]["unique_graphs"]
+
+
+def compile_model(model: ToyDecoder, backend, regional: bool) -> torch.nn.Module:
+    if not regional:
+        return torch.compile(model, backend=backend)
+    for i, block in enumerate(model.layers):
+        model.layers[i] = torch.compile(block, backend=backend)
+    return model
+
+
+def reinitialise(model: ToyDecoder, reference: ToyDecoder) -> None:
+    """What a model's init code does after to_empty(): recompute (here: copy) every buffer in place."""
+    mine, theirs = dict(model.named_buffers()), dict(reference.named_buffers())
+    with torch.no_grad():
+        for name, tensor in mine.items():
+            tensor.copy_(theirs[name.replace("._orig_mod", "")])
+
+
+def check(model: torch.nn.Module, compiled: torch.nn.Module, reference: ToyDecoder, ideal: int) -> None:
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(TOKENS), reference(TOKENS), rtol=0, atol=0)
+    assert storages(model) == ideal
+
+
+@pytest.mark.parametrize("regional", [False, True], ids=["whole", "regional"])
+@pytest.mark.parametrize("scenario", sorted(SPECS))
+def test_dtype_conversions_recompile_once_and_share_again(scenario: str, regional: bool) -> None:
+    torch.manual_seed(0)
+    model, reference = ToyDecoder(SPECS[scenario]).eval(), ToyDecoder(SPECS[scenario]).eval()
+    reference.load_state_dict(model.state_dict())
+    compiled = compile_model(model, RopeDedupBackend("eager"), regional)
+    check(model, compiled, reference, IDEAL[scenario])
+    seen = graphs()
+    for dtype in (torch.float64, torch.float32, torch.float64):
+        model.to(dtype)
+        reference.to(dtype)
+        assert storages(model) > IDEAL[scenario]  # .to() gave every module its own copy again
+        check(model, compiled, reference, IDEAL[scenario])
+        check(model, compiled, reference, IDEAL[scenario])
+    # One new graph for float64; going back to a dtype seen before reuses its graph (and interns).
+    assert graphs() - seen <= 1
+
+
+def test_to_empty_and_reinitialised_buffers_are_interned_without_a_recompile() -> None:
+    torch.manual_seed(0)
+    model, reference = ToyDecoder(SPECS["local_global"]).eval(), ToyDecoder(SPECS["local_global"]).eval()
+    reference.load_state_dict(model.state_dict())
+    compiled = torch.compile(model, backend=RopeDedupBackend("eager"))
+    check(model, compiled, reference, IDEAL["local_global"])
+    seen = graphs()
+    model.to_empty(device="cpu")
+    assert storages(model) == len(rope_tensors(model))
+    model.load_state_dict(reference.state_dict())
+    reinitialise(model, reference)
+    check(model, compiled, reference, IDEAL["local_global"])
+    assert graphs() == seen
+
+
+def test_meta_init_then_materialise_then_compile() -> None:
+    torch.manual_seed(0)
+    reference = ToyDecoder(SPECS["local_global"]).eval()
+    with torch.device("meta"):
+        model = ToyDecoder(SPECS["local_global"]).eval()
+    model.to_empty(device="cpu")
+    model.load_state_dict(reference.state_dict())
+    reinitialise(model, reference)
+    compiled = torch.compile(model, backend=RopeDedupBackend("eager"))
+    check(model, compiled, reference, IDEAL["local_global"])
+
+
+def test_compiling_a_meta_model_skips_its_tables_with_the_reason() -> None:
+    """A graph traced before materialization sees meta tensors: nothing to compare, nothing shared."""
+    with torch.device("meta"):
+        model = ToyDecoder(homogeneous(2, max_len=64))
+    backend = RopeDedupBackend("eager")
+    torch.compile(model, backend=backend)(TOKENS.to("meta"))
+    reasons = {s.reason for s in backend.report.skipped if ".rope." in s.path}
+    assert reasons == {"meta tensor: no data to compare"}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="moving between devices needs a CUDA device")
+def test_device_moves_recompile_and_share_on_each_device() -> None:
+    torch.manual_seed(0)
+    model, reference = ToyDecoder(SPECS["local_global"]).eval(), ToyDecoder(SPECS["local_global"]).eval()
+    reference.load_state_dict(model.state_dict())
+    compiled = torch.compile(model, backend=RopeDedupBackend("eager"))
+    for device in ("cuda", "cpu", "cuda"):
+        model.to(device)
+        reference.to(device)
+        with torch.no_grad():
+            torch.testing.assert_close(compiled(TOKENS.to(device)), reference(TOKENS.to(device)), rtol=0, atol=0)
+        assert storages(model) == IDEAL["local_global"]
+    assert graphs() <= 2
+
+
+def test_deleting_the_model_frees_its_canonical_tables() -> None:
+    backend = RopeDedupBackend("eager")
+    model = ToyDecoder(homogeneous(4, max_len=64))
+    compiled = torch.compile(model, backend=backend)
+    compiled(TOKENS)
+    assert len(backend.report.groups) == 2
+    tables = [weakref.ref(t) for _, t in rope_tensors(model)]
+    del model, compiled
+    gc.collect()
+    assert all(ref() is None for ref in tables)
+    assert backend.report.groups == []
+    assert backend.store.snapshot() == []
+
+
+def test_two_backends_never_share_between_their_models() -> None:
+    torch.manual_seed(0)
+    first, second = ToyDecoder(homogeneous(4, max_len=64)), ToyDecoder(homogeneous(4, max_len=64))
+    for model in (first, second):
+        torch.compile(model, backend=RopeDedupBackend("eager"))(TOKENS)
+    assert storages(first) == storages(second) == 2
+    both = [t for m in (first, second) for _, t in rope_tensors(m)]
+    assert unique_storages(both)[0] == 4
+
+
+def test_one_backend_shares_across_the_models_it_compiles() -> None:
+    """The flip side, and why a backend instance per model is the way to keep models apart."""
+    backend = RopeDedupBackend("eager")
+    first, second = ToyDecoder(homogeneous(2, max_len=64)), ToyDecoder(homogeneous(2, max_len=64))
+    for model in (first, second):
+        torch.compile(model, backend=backend)(TOKENS)
+    both = [t for m in (first, second) for _, t in rope_tensors(m)]
+    assert unique_storages(both)[0] == 2
+
+
+def test_a_model_built_with_other_specs_after_compile_is_not_merged() -> None:
+    """Buffers replaced with different content (another theta) after compiling: the merged graph falls back."""
+    torch.manual_seed(0)
+    model = ToyDecoder(homogeneous(2, max_len=64)).eval()
+    compiled = torch.compile(model, backend=RopeDedupBackend("eager"))
+    compiled(TOKENS)
+    other = ToyDecoder([RopeSpec(max_len=64), RopeSpec(max_len=64, theta=5e5)]).eval()
+    other.load_state_dict(model.state_dict())
+    for name, tensor in rope_tensors(other):
+        owner, attr = name.rsplit(".", 1)
+        model.get_submodule(owner).register_buffer(attr, tensor.clone(), persistent=False)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(TOKENS), other(TOKENS), rtol=0, atol=0)
+    assert storages(model) == 4
