@@ -12,22 +12,26 @@ from rope_dedup.passes.find_mutations import find_mutations
 from rope_dedup.passes.find_rope_tables import Candidate, find_rope_candidates
 from rope_dedup.passes.redirect_to_canonical import redirect_to_canonical
 from rope_dedup.report import DedupReport
-from rope_dedup.store import CanonicalStore
+from rope_dedup.store import CanonicalStore, is_routine
 from rope_dedup.tensors import has_storage, local, memory_ptr, placement, storage_ptr
 
 
 class RopeDedupResult(PassResult):
     """A ``PassResult`` that also carries the report and what run-time interning needs.
 
-    ``rope_inputs``: example-input position -> (path, kind, persistent) of each shared RoPE table, to intern
-    at run time.
+    ``rope_inputs``: example-input position -> (path, kind, persistent) of each shared RoPE table, and of
+    each non-RoPE buffer (another block's tensor fed to the same input may be a table), to offer to the
+    store at run time.
     ``merged_inputs``: groups of input positions whose uses now read the first one; valid only while
     they share memory, which the backend checks on every call.
+    ``skipped_inputs``: example-input position -> (path, reason) of RoPE-relevant tables kept apart
+    (written, persistent, ...), so that other blocks' tables fed to the same input are reported too.
     """
 
     report: DedupReport
     rope_inputs: dict[int, tuple[str, str, bool]]
     merged_inputs: list[tuple[int, ...]]
+    skipped_inputs: dict[int, tuple[str, str]]
 
 
 def dedup_rope(
@@ -55,17 +59,27 @@ def dedup_rope(
     candidates = find_rope_candidates(gm, example_inputs)
     written = _written_candidates(candidates, find_mutations(gm))
     kept: list[Candidate] = []
+    examine: list[Candidate] = []  # not RoPE-like here; another block's tensor at this input may be
+    skipped_inputs: dict[int, tuple[str, str]] = {}
     for candidate in candidates:
         offer = store.offer(candidate.tensor, candidate.path, candidate.kind, written.get(candidate.node),
                             candidate.persistent)
         if offer.status != "skipped":
             kept.append(candidate)
+        elif candidate.input_index is None:
+            continue
+        elif offer.reason.startswith("not RoPE-like"):
+            examine.append(candidate)
+        elif not is_routine(offer.reason):
+            skipped_inputs[candidate.input_index] = (candidate.path, offer.reason)
     duplicates, merged = _duplicates_by_memory(kept) if not store.dry_run else ({}, [])
     modified = redirect_to_canonical(gm, duplicates)
     result = RopeDedupResult(gm, modified)
     result.report = DedupReport.from_store(store)
-    result.rope_inputs = {c.input_index: (c.path, c.kind, c.persistent) for c in kept if c.input_index is not None}
+    result.rope_inputs = {c.input_index: (c.path, c.kind, c.persistent)
+                          for c in kept + examine if c.input_index is not None}
     result.merged_inputs = merged
+    result.skipped_inputs = skipped_inputs
     gm.meta["rope_dedup_report"] = result.report
     return result
 

@@ -26,7 +26,8 @@ class InterningCallable:
     """Wraps a compiled graph: interns RoPE inputs on first sight, then runs it.
 
     ``merged_inputs`` are input groups whose uses the pass redirected to the first of the group; the
-    graph is only valid while they share memory. If a caller later passes tables that differ (a buffer
+    graph is only valid while they share memory. ``skipped_inputs`` are RoPE tables kept apart at
+    compile time (written caches, say): other blocks' tables at those inputs are added to the report. If a caller later passes tables that differ (a buffer
     replaced with other content after compiling), the un-merged graph from ``fallback`` runs instead.
     """
 
@@ -37,6 +38,7 @@ class InterningCallable:
         rope_inputs: dict[int, tuple[str, str, bool]],
         merged_inputs: list[tuple[int, ...]],
         fallback: Callable[[Sequence], Callable] | None = None,
+        skipped_inputs: dict[int, tuple[str, str]] | None = None,
     ) -> None:
         self._compiled = compiled
         self._store = store
@@ -46,6 +48,8 @@ class InterningCallable:
         self._fallback_factory = fallback
         self._fallback: Callable | None = None
         self._rejected = WeakIdKeyDictionary()  # tensors already refused: don't re-examine every call
+        self._skipped_inputs = skipped_inputs or {}  # position -> (path, reason) decided at compile time
+        self._noted = WeakIdKeyDictionary()  # tensors at those positions already in the report
 
     def __call__(self, *args):
         if not self.intern_inputs(args):
@@ -59,6 +63,10 @@ class InterningCallable:
         for position in self._positions:
             if not is_interned(args[position]):
                 self._intern(position, args[position])
+        for position, (path, reason) in self._skipped_inputs.items():  # a written cache per block, say
+            if args[position] not in self._noted:
+                self._noted[args[position]] = True
+                self._store.note_skip(args[position], path, reason)
         for group in self._merged:
             ptr = memory_ptr(args[group[0]])
             for other in group[1:]:

@@ -69,8 +69,9 @@ class DedupReport:
     def from_store(cls, store, model: torch.nn.Module | None = None, errors: Sequence[str] = ()) -> DedupReport:
         """Snapshot a :class:`~rope_dedup.store.CanonicalStore`'s live groups and its skip list.
 
-        With ``model``, members are named by their full path in it: under regional compilation the
-        backend sees one block, so the names it recorded are relative to that block (``attn.cos#3``).
+        With ``model``, members and skipped tensors are named by their full path in it: under regional
+        compilation the backend sees one block, so the names it recorded are relative to that block
+        (``attn.cos#3``), and one skip name stands for that table in every block.
         """
         full = tensor_paths(model) if model is not None else {}
         groups = []
@@ -88,7 +89,10 @@ class DedupReport:
                 conflict_with=group.conflict_with,
                 placement=describe_placement(group.placement),
             ))
-        skipped = [Skip(path, reason) for path, reason in store.skipped.items()]
+        skipped = []
+        for path, reason in store.skipped.items():
+            named = sorted(full[id(t)] for t in store.skipped_tensors(path) if id(t) in full)
+            skipped += [Skip(p, reason) for p in named] or [Skip(path, reason)]
         return cls(groups, skipped, list(errors))
 
     def __str__(self) -> str:

@@ -26,6 +26,11 @@ from rope_dedup.tensors import local, memory_ptr, placement, same_values, storag
 log = logging.getLogger("rope_dedup")
 
 
+def is_routine(reason: str) -> bool:
+    """Weights and non-RoPE state are the bulk of skips and expected; the rest concern RoPE tables."""
+    return reason.startswith(("trainable parameter", "not RoPE-like"))
+
+
 @dataclass
 class _Member:
     ref: weakref.ref
@@ -71,6 +76,7 @@ class CanonicalStore:
         self._ptr_count: dict[int, int] = {}  # data_ptr of live members -> how many
         self._excluded = WeakIdKeyDictionary()  # tensor -> why it must never be shared again
         self.skipped: dict[str, str] = {}
+        self._skipped_refs: dict[str, list[weakref.ref]] = {}  # name -> tensors skipped under it
         self._names: dict[str, int] = {}
 
     # -- the hot path -------------------------------------------------------------------------------
@@ -90,16 +96,16 @@ class CanonicalStore:
         if written is not None:
             self._excluded[tensor] = f"written in the graph ({written}) of another compiled graph"
         elif tensor in self._excluded:
-            return self._skip(name, self._excluded[tensor])
+            return self._skip(name, self._excluded[tensor], tensor)
         reason = why_not_shareable(tensor, kind, written, persistent, self.share_persistent)
         if reason is not None:
-            return self._skip(name, reason)
+            return self._skip(name, reason, tensor)
         group = self._find_equal(tensor)
         if group is not None:
             return self._alias(tensor, group, self._unique_name(name))
         table = recognize_rope_table(local(tensor))
         if isinstance(table, NotRope):
-            return self._skip(name, f"not RoPE-like: {table.reason}")
+            return self._skip(name, f"not RoPE-like: {table.reason}", tensor)
         return self._new_group(tensor, infer_key(table, local(tensor)), self._unique_name(name))
 
     def _find_equal(self, tensor: torch.Tensor) -> _Group | None:
@@ -127,7 +133,7 @@ class CanonicalStore:
                 with torch.no_grad():
                     mine.set_(canonical.untyped_storage(), canonical.storage_offset(), mine.size(), mine.stride())
             except RuntimeError as error:
-                return self._skip(name, f"could not alias its storage: {str(error).splitlines()[0]}")
+                return self._skip(name, f"could not alias its storage: {str(error).splitlines()[0]}", tensor)
         self._add_member(group, tensor, name, original)
         return Offer("shared", group.key)
 
@@ -152,6 +158,7 @@ class CanonicalStore:
         self._group_of[ident] = group
         self._ptr_count[ptr] = self._ptr_count.get(ptr, 0) + 1
         self.skipped.pop(name, None)
+        self._skipped_refs.pop(name, None)
 
     def _forget(self, ident: int, ptr: int) -> None:
         group = self._group_of.pop(ident, None)
@@ -186,13 +193,21 @@ class CanonicalStore:
             log.info("rope_dedup: %s has its own storage again", member.name)
         return True
 
-    def _skip(self, name: str, reason: str) -> Offer:
+    def _skip(self, name: str, reason: str, tensor: torch.Tensor) -> Offer:
+        refs = self._skipped_refs.setdefault(name, [])
+        refs[:] = [r for r in refs if r() is not None]
+        if not any(r() is tensor for r in refs):
+            refs.append(weakref.ref(tensor))
         if self.skipped.get(name) != reason:
             # Weights and activations-like state are the bulk of skips and expected; RoPE-relevant ones are not.
-            routine = reason.startswith(("trainable parameter", "not RoPE-like"))
-            log.log(logging.DEBUG if routine else logging.INFO, "rope_dedup: skipped %s: %s", name, reason)
+            log.log(logging.DEBUG if is_routine(reason) else logging.INFO, "rope_dedup: skipped %s: %s", name, reason)
         self.skipped[name] = reason
         return Offer("skipped", reason=reason)
+
+    def note_skip(self, tensor: torch.Tensor, name: str, reason: str) -> None:
+        """Record that ``tensor`` is skipped for a reason already decided for its graph input (another
+        block's instance of a written cache, under regional compile), so the report names it too."""
+        self._skip(name, reason, tensor)
 
     def _unique_name(self, name: str) -> str:
         """Regional compile shows every block's table under the same relative path: number repeats."""
@@ -209,6 +224,10 @@ class CanonicalStore:
         return None if group is None else group.canonical()
 
     # -- what the report reads ------------------------------------------------------------------
+    def skipped_tensors(self, name: str) -> list[torch.Tensor]:
+        """The live tensors skipped under ``name`` (one per block when a graph serves every block)."""
+        return [t for t in (r() for r in self._skipped_refs.get(name, ())) if t is not None]
+
     def snapshot(self) -> list[tuple[_Group, list[tuple[torch.Tensor, _Member]]]]:
         """Live groups with their live members, for the report."""
         result = []

@@ -160,6 +160,17 @@ def test_report_covers_every_graph_and_names_full_paths() -> None:
     assert backend.report.groups[0].members[:2] == ["attention.rope.cos", "attention.rope.cos#1"]
 
 
+def test_report_for_names_every_block_s_skipped_table() -> None:
+    """One graph serves every block: one relative skip name stands for the table of each block."""
+    model = build([RopeSpec(layout="lazy_cache")] * 3)
+    backend = RopeDedupBackend("eager")
+    compile_model(model, backend, "regional")(torch.randint(0, 64, (1, 8)))
+    relative = [s.path for s in backend.report.skipped if s.path.endswith("cached_freqs")]
+    assert relative == ["attention.rope.cached_freqs"]
+    full = [s.path for s in backend.report_for(unwrap(model)).skipped if s.path.endswith("cached_freqs")]
+    assert full == [f"layers.{i}.attention.rope.cached_freqs" for i in range(3)]
+
+
 def test_replaced_table_falls_back_to_unmerged_graph() -> None:
     """A buffer swapped for different content after compiling must not be read through the merge."""
     model = build(homogeneous(3))
