@@ -26,7 +26,8 @@ class Candidate:
     path: str
     kind: str  # buffer, parameter, attribute or global
     input_index: int | None  # position in example_inputs for placeholders, None for get_attr
-    persistent: bool = False  # a buffer saved in its module's state_dict (or one whose module was not found)
+    persistent: bool = False  # saved in a state_dict: a parameter, or a persistent buffer (or one whose
+    # module was not found)
 
 
 def find_rope_candidates(gm: torch.fx.GraphModule, example_inputs: Sequence | None = None) -> list[Candidate]:
@@ -41,7 +42,7 @@ def find_rope_candidates(gm: torch.fx.GraphModule, example_inputs: Sequence | No
             if origin.kind == "input":
                 continue
             kind = "parameter" if isinstance(value, torch.nn.Parameter) else origin.kind
-            persistent = kind == "buffer" and origin.persistent is not False
+            persistent = kind == "parameter" or (kind == "buffer" and origin.persistent is not False)
             candidates.append(Candidate(node, value, origin.path, kind, index, persistent))
     for node in gm.graph.nodes:
         if node.op != "get_attr":
@@ -58,6 +59,6 @@ def find_rope_candidates(gm: torch.fx.GraphModule, example_inputs: Sequence | No
         else:
             kind = "attribute"
         # symbolic_trace registers every buffer it copies as persistent: the GraphModule's state_dict has it.
-        persistent = kind == "buffer" and attr not in owner._non_persistent_buffers_set
+        persistent = kind == "parameter" or (kind == "buffer" and attr not in owner._non_persistent_buffers_set)
         candidates.append(Candidate(node, value, node.target, kind, None, persistent))
     return candidates

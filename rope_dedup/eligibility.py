@@ -8,8 +8,8 @@ from rope_dedup.tensors import is_dtensor, local
 
 
 PERSISTENT_REASON = (
-    "persistent buffer (in the state_dict): shared storage would make safetensors' save_file refuse the "
-    "state_dict and load_state_dict write every sharer; share_persistent=True opts in"
+    "in the state_dict (persistent buffer or frozen parameter): shared storage would make safetensors' "
+    "save_file refuse the state_dict and load_state_dict write every sharer; share_persistent=True opts in"
 )
 
 
@@ -18,8 +18,9 @@ def why_not_shareable(tensor: torch.Tensor, kind: str, written: str | None, pers
     """Return the reason a tensor must keep its own storage, or None if it may be shared.
 
     ``kind`` is where it lives (buffer, parameter, attribute, global); ``written`` describes an in-place
-    write the graph performs on it, if any; ``persistent`` says a buffer is saved in its module's
-    ``state_dict``, which is shared only when ``share_persistent`` opts in.
+    write the graph performs on it, if any; ``persistent`` says the tensor is saved in its module's
+    ``state_dict`` (a persistent buffer or a parameter), which is shared only when ``share_persistent``
+    opts in.
     """
     if isinstance(tensor, torch.nn.Parameter) and tensor.requires_grad:
         return "trainable parameter (requires grad): never shared"

@@ -5,8 +5,8 @@ attributes arrive as ``BUFFER`` / ``CONSTANT_TENSOR`` inputs whose values live i
 persistent buffers as ``BUFFER`` inputs with values in ``ep.state_dict``. Identical RoPE tables are
 grouped and verified exactly as the backend does (same store, same rules), then the graph is rewritten to
 read one input per table. The duplicates are dropped from the signature and the constants; a persistent
-buffer (shared only with ``share_persistent=True``) keeps its ``state_dict`` key, which then names the
-canonical tensor, so checkpoints keep their keys. The input program and the model's tensors are untouched.
+buffer or frozen parameter (shared only with ``share_persistent=True``) keeps its ``state_dict`` key,
+which then names the canonical tensor, so checkpoints keep their keys. The input program and the model's tensors are untouched.
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ def dedup_exported(ep: ExportedProgram, *, share_persistent: bool = False) -> Ex
     """Return a program that reads one input per distinct RoPE table, with duplicates dropped.
 
     Every lifted parameter, buffer and constant tensor is offered to a :class:`CanonicalStore`: written
-    ones (``BUFFER_MUTATION`` outputs or in-place ops), trainable parameters, persistent buffers (unless
-    ``share_persistent=True``) and non-RoPE tensors are skipped with the reason. The report is logged on
+    ones (``BUFFER_MUTATION`` outputs or in-place ops), trainable parameters, persistent buffers and frozen
+    parameters (unless ``share_persistent=True``) and non-RoPE tensors are skipped with the reason. The report is logged on
     the ``rope_dedup`` logger and kept in ``result.graph_module.meta["rope_dedup_report"]``.
     """
     if not isinstance(ep, ExportedProgram):
@@ -52,7 +52,7 @@ def dedup_exported(ep: ExportedProgram, *, share_persistent: bool = False) -> Ex
         tensor = _value(ep, spec)
         if spec.kind not in _STATE_KINDS or not isinstance(tensor, torch.Tensor):
             continue
-        persistent = spec.kind == InputKind.BUFFER and bool(spec.persistent)
+        persistent = spec.kind == InputKind.PARAMETER or (spec.kind == InputKind.BUFFER and bool(spec.persistent))
         offer = store.offer(tensor, spec.target, _STATE_KINDS[spec.kind], written.get(spec.arg.name), persistent)
         if offer.status != "skipped":
             offered.append((spec, tensor))
@@ -67,7 +67,7 @@ def dedup_exported(ep: ExportedProgram, *, share_persistent: bool = False) -> Ex
         if first is spec:
             continue
         duplicates[placeholders[spec.arg.name]] = placeholders[first.arg.name]
-        if spec.kind == InputKind.BUFFER and spec.persistent:
+        if spec.target in ep.state_dict:  # a persistent buffer or frozen parameter: its key stays
             aliased[spec.target] = _value(ep, first)
         else:
             dropped.add(spec.arg.name)

@@ -35,72 +35,66 @@ def placeholder_origin(node: torch.fx.Node) -> InputOrigin:
     source = getattr(grapharg, "source", None)
     if source is None:
         return InputOrigin(node.name, "input")
-    names: list[str] = []
-    containers: set[str] = set()
-    attributes = 0
-    root = source
-    while True:
-        member = getattr(root, "member", None)
-        index = getattr(root, "index", None)
-        if isinstance(member, str):
-            attributes += 1
-            if member in _CONTAINERS:
-                containers.add(member)
-            else:
-                names.append(member)
-        elif index is not None and not isinstance(index, (list, tuple)):
-            names.append(str(index))
-        base = getattr(root, "base", None)
-        if base is None:
-            break
-        root = base
+    root, steps = _steps(source)
+    attributes = [name for how, name in steps if how == "attr"]
+    names = [str(name) for _, name in steps if name not in _CONTAINERS]
     global_name = getattr(root, "global_name", None)
     if global_name is not None:
-        names.append(global_name)
-        kind = "global"
-    elif not attributes:  # a forward argument, possibly inside *args: an activation, not module state
+        return InputOrigin(".".join([global_name, *names]), "global")
+    if not attributes:  # a forward argument, possibly inside *args: an activation, not module state
         return InputOrigin(getattr(root, "local_name", None) or node.name, "input")
-    elif "_parameters" in containers:
-        kind = "parameter"
-    elif "_buffers" in containers:
-        return InputOrigin(".".join(reversed(names)), "buffer", _buffer_persistent(source))
-    else:
-        kind = "attribute"
-    return InputOrigin(".".join(reversed(names)), kind)
+    if "_parameters" in attributes:
+        return InputOrigin(".".join(names), "parameter")
+    if "_buffers" in attributes:
+        return InputOrigin(".".join(names), "buffer", _buffer_persistent(root, steps))
+    return InputOrigin(".".join(names), "attribute")
 
 
-def _buffer_persistent(source: Any) -> bool | None:
-    """Whether the buffer ``source`` names is in its module's state_dict, from the module object itself.
+def _steps(source: Any) -> tuple[Any, list[tuple[str, Any]]]:
+    """The root source and the ("attr" | "item", name) steps from it to ``source``.
 
-    The module is reached by replaying the source chain on the frame dynamo is compiling (its locals
-    and globals), which is the only place the owning module object can be found at compile time.
+    ``module.__dict__['_buffers']`` (how dynamo reaches a module that assigns attributes in forward) is
+    read as the attribute ``_buffers``; wrappers that only mark how dynamo treats a module are dropped.
     """
-    buffer = source
-    while buffer is not None and getattr(getattr(buffer, "base", None), "member", None) != "_buffers":
-        buffer = getattr(buffer, "base", None)
-    if buffer is None:
+    steps: list[tuple[str, Any]] = []
+    node = source
+    while getattr(node, "base", None) is not None:
+        member, index = getattr(node, "member", None), getattr(node, "index", None)
+        if isinstance(member, str):
+            steps.append(("attr", member))
+        elif index is not None and not isinstance(index, (list, tuple)):
+            steps.append(("item", index))
+        node = node.base
+    steps.reverse()
+    folded: list[tuple[str, Any]] = []
+    for step in steps:
+        if folded and folded[-1] == ("attr", "__dict__") and step[0] == "item" and isinstance(step[1], str):
+            folded[-1] = ("attr", step[1])
+        else:
+            folded.append(step)
+    return node, folded
+
+
+def _buffer_persistent(root: Any, steps: list[tuple[str, Any]]) -> bool | None:
+    """Whether the buffer the steps name is in its module's state_dict, from the module object itself.
+
+    The module is reached by replaying the steps on the frame dynamo is compiling (its locals and
+    globals), which is the only place the owning module object can be found at compile time.
+    """
+    at = steps.index(("attr", "_buffers"))
+    if at + 1 >= len(steps):
         return None
     try:
         from torch._dynamo.symbolic_convert import InstructionTranslator
 
         frame = InstructionTranslator.current_tx().output.root_tx
-        module = _replay(buffer.base.base, frame.f_locals, frame.f_globals)
-    except Exception:  # no frame being compiled, or a source kind this replay does not know
+        if getattr(root, "local_name", None) is not None:
+            module = frame.f_locals[root.local_name]
+        else:
+            module = frame.f_globals[root.global_name]
+        for how, name in steps[:at]:
+            module = getattr(module, name) if how == "attr" else module[name]
+    except Exception:  # no frame being compiled, or a source this replay does not know
         return None
     non_persistent = getattr(module, "_non_persistent_buffers_set", None)
-    return None if non_persistent is None else buffer.index not in non_persistent
-
-
-def _replay(source: Any, f_locals: dict, f_globals: dict) -> Any:
-    """The object a dynamo source names: its root local or global, then each attribute and item in turn."""
-    base = getattr(source, "base", None)
-    if base is None:
-        if getattr(source, "local_name", None) is not None:
-            return f_locals[source.local_name]
-        return f_globals[source.global_name]
-    value = _replay(base, f_locals, f_globals)
-    if isinstance(getattr(source, "member", None), str):
-        return getattr(value, source.member)
-    if hasattr(source, "index"):
-        return value[source.index]
-    return value  # wrappers that only mark how dynamo treats the module (NNModuleSource and kin)
+    return None if non_persistent is None else steps[at + 1][1] not in non_persistent

@@ -155,3 +155,55 @@ def test_a_checkpoint_with_different_tables_needs_unshare_first() -> None:
         layer0 = model.layers[0].attention.rope.cos
         assert torch.equal(layer0, state["layers.1.attention.rope.cos"]) == trap
         assert torch.equal(layer0, state["layers.0.attention.rope.cos"]) != trap
+
+
+class FrozenTables(torch.nn.Module):
+    """Two equal frozen parameters: in the state_dict like persistent buffers, so under the same policy."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        table = ToyDecoder(homogeneous(1, max_len=16)).layers[0].attention.rope.cos
+        self.a = torch.nn.Parameter(table.clone(), requires_grad=False)
+        self.b = torch.nn.Parameter(table.clone(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.a + x * self.b
+
+
+@pytest.mark.parametrize("share_persistent", [False, True])
+def test_frozen_parameters_follow_the_persistent_policy(share_persistent: bool) -> None:
+    model = FrozenTables()
+    backend = RopeDedupBackend("eager", share_persistent=share_persistent)
+    x = torch.randn(16, 8)
+    torch.testing.assert_close(torch.compile(model, backend=backend)(x), model(x), rtol=0, atol=0)
+    assert (model.a.data_ptr() == model.b.data_ptr()) == share_persistent
+    assert {s.reason for s in backend.report.skipped} == (set() if share_persistent else {PERSISTENT_REASON})
+
+
+class AssignsInForward(torch.nn.Module):
+    """A module that sets an attribute in forward (fair-esm's rotary caches): dynamo then reaches its
+    buffers through ``__dict__['_buffers']``, and persistence must still be read."""
+
+    def __init__(self, persistent: bool) -> None:
+        super().__init__()
+        table = ToyDecoder(homogeneous(1, max_len=16)).layers[0].attention.rope.cos
+        self.register_buffer("cos", table.clone(), persistent=persistent)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls = 1
+        return x * self.cos
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_persistence_is_read_when_forward_assigns_attributes(persistent: bool) -> None:
+    layers = torch.nn.Sequential(AssignsInForward(persistent), AssignsInForward(persistent))
+    backend = RopeDedupBackend("eager")
+    x = torch.randn(16, 8)
+    torch.testing.assert_close(torch.compile(layers, backend=backend)(x), layers(x), rtol=0, atol=0)
+    assert (layers[0].cos.data_ptr() == layers[1].cos.data_ptr()) != persistent
+    report = backend.report_for(layers)
+    if persistent:
+        assert {s.path: s.reason for s in report.skipped} == {"0.cos": PERSISTENT_REASON, "1.cos": PERSISTENT_REASON}
+    else:
+        assert report.groups[0].members == ["0.cos", "1.cos"]
