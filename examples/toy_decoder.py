@@ -16,6 +16,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 LAYOUTS = ("cos_sin", "hf_halves", "titan_cos_sin", "complex", "stacked", "gptj", "inv_freq", "lazy_cache")
+# Modules that build their table inside forward on every call: ``computed`` from nothing (no state at all),
+# ``from_inv_freq`` from an ``inv_freq`` buffer and positions, HF style. Kept apart from LAYOUTS, whose
+# users expect every layer to hold a table.
+COMPUTED_LAYOUTS = ("computed", "from_inv_freq")
 SCALINGS = (None, "linear", "ntk", "llama3", "yarn")
 
 
@@ -32,8 +36,8 @@ class RopeSpec:
     factor: float = 4.0
 
     def __post_init__(self) -> None:
-        if self.layout not in LAYOUTS:
-            raise ValueError(f"unknown layout {self.layout!r}; choose from {', '.join(LAYOUTS)}")
+        if self.layout not in LAYOUTS + COMPUTED_LAYOUTS:
+            raise ValueError(f"unknown layout {self.layout!r}; choose from {', '.join(LAYOUTS + COMPUTED_LAYOUTS)}")
         if self.scaling not in SCALINGS:
             raise ValueError(f"unknown scaling {self.scaling!r}; choose from {SCALINGS}")
 
@@ -115,11 +119,28 @@ class Rope(nn.Module):
             self.register_buffer("cached_freqs", torch.zeros(spec.max_len, self.dim // 2, dtype=dtype),
                                  persistent=False)
             self.register_buffer("freqs", freqs, persistent=False)
+        elif layout == "from_inv_freq":
+            # HF's rotary embedding: a float32 inv_freq buffer, the table rebuilt from it on every call.
+            self.register_buffer("inv_freq", freqs, persistent=False)
 
-    def cos_sin(self, seq: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """(seq, dim) cos and sin in the rotate-half convention, computed from the stored table."""
+    def cos_sin(self, seq: int, dtype: torch.dtype, device: torch.device | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(seq, dim) cos and sin in the rotate-half convention, from the stored table (or built here)."""
         layout = self.spec.layout
-        if layout == "cos_sin":
+        if layout == "computed":
+            # From scratch, no state: arange -> pow -> outer -> cos/sin over max_len positions, then sliced.
+            freqs = inv_freq(self.spec, self.dim).to(device)
+            angles = torch.outer(torch.arange(self.spec.max_len, device=device, dtype=torch.float32), freqs)
+            mscale = yarn_mscale(self.spec)
+            cos, sin = (angles.cos() * mscale)[:seq], (angles.sin() * mscale)[:seq]
+            cos, sin = cos.to(self.spec.dtype), sin.to(self.spec.dtype)
+        elif layout == "from_inv_freq":
+            # HF: inv_freq[None, :, None] @ positions[None, None, :], positions arange(seq).
+            positions = torch.arange(seq, device=self.inv_freq.device, dtype=torch.float32)[None, None, :]
+            angles = (self.inv_freq[None, :, None].float() @ positions).transpose(1, 2)[0]
+            mscale = yarn_mscale(self.spec)
+            cos, sin = (angles.cos() * mscale).to(self.spec.dtype), (angles.sin() * mscale).to(self.spec.dtype)
+        elif layout == "cos_sin":
             cos, sin = self.cos[:seq], self.sin[:seq]
         elif layout == "hf_halves":
             return self.cos_cached[:seq].to(dtype), self.sin_cached[:seq].to(dtype)
@@ -145,7 +166,7 @@ class Rope(nn.Module):
         return torch.cat([cos, cos], -1), torch.cat([sin, sin], -1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        cos, sin = self.cos_sin(x.shape[-2], x.dtype)
+        cos, sin = self.cos_sin(x.shape[-2], x.dtype, x.device)
         rot, rest = x[..., : self.dim], x[..., self.dim:]
         rot = rot * cos + _rotate_half(rot) * sin
         return torch.cat([rot, rest], dim=-1)

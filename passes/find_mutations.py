@@ -14,7 +14,7 @@ import torch
 import torch.fx
 
 # Ops that may return their input or a view of it (so a write to the result writes the input).
-_VIEW_NAMES = {
+VIEW_NAMES = {
     "view", "view_as", "reshape", "reshape_as", "narrow", "select", "slice", "transpose", "t", "T", "mT",
     "permute", "expand", "expand_as", "unsqueeze", "squeeze", "flatten", "unflatten", "as_strided",
     "split", "split_with_sizes", "chunk", "unbind", "view_as_real", "view_as_complex", "real", "imag",
@@ -24,7 +24,7 @@ _VIEW_NAMES = {
 }
 
 
-def _op_name(node: torch.fx.Node) -> str:
+def op_name(node: torch.fx.Node) -> str:
     target = node.target
     if isinstance(target, str):
         return target
@@ -35,7 +35,7 @@ def _op_name(node: torch.fx.Node) -> str:
     return getattr(target, "__name__", str(target))
 
 
-def _writes_first_arg(node: torch.fx.Node) -> str | None:
+def writes_first_arg(node: torch.fx.Node) -> str | None:
     """Return a description of the in-place op if ``node`` writes its first argument (or an ``out=``)."""
     target = node.target
     if isinstance(target, torch._ops.OpOverload):
@@ -44,7 +44,7 @@ def _writes_first_arg(node: torch.fx.Node) -> str | None:
             if arg.alias_info is not None and arg.alias_info.is_write:
                 return str(target)
         return None
-    name = _op_name(node)
+    name = op_name(node)
     if target is operator.setitem or name == "__setitem__":
         return "setitem"
     if name in ("__iadd__", "__isub__", "__imul__", "__itruediv__", "__ipow__", "__iand__", "__ior__"):
@@ -60,7 +60,7 @@ def find_mutations(gm: torch.fx.GraphModule) -> dict[torch.fx.Node, str]:
     """Map each node whose value is written in place (or through a view of it) to how it is written."""
     result: dict[torch.fx.Node, str] = {}
     for node in gm.graph.nodes:
-        for alias in _aliases(node):
+        for alias in aliases(node):
             reason = next((r for user in alias.users if (r := _write_by(user, alias)) is not None), None)
             if reason is not None:
                 result[node] = reason if alias is node else f"{reason} on a view of it ({alias.name})"
@@ -77,9 +77,9 @@ def _write_by(user: torch.fx.Node, value: torch.fx.Node) -> str | None:
         return None
     out = user.kwargs.get("out")
     if out is value or (isinstance(out, (list, tuple)) and value in out):
-        return f"{_op_name(user)}(out=...)"
+        return f"{op_name(user)}(out=...)"
     if user.args and user.args[0] is value:
-        return _writes_first_arg(user)
+        return writes_first_arg(user)
     if isinstance(user.target, torch._ops.OpOverload):
         schema = user.target._schema
         for arg, actual in zip(schema.arguments, user.args):
@@ -88,7 +88,7 @@ def _write_by(user: torch.fx.Node, value: torch.fx.Node) -> str | None:
     return None
 
 
-def _aliases(node: torch.fx.Node) -> list[torch.fx.Node]:
+def aliases(node: torch.fx.Node) -> list[torch.fx.Node]:
     """``node`` and every value that may alias it through view-like ops, transitively."""
     seen = [node]
     stack = [node]
@@ -97,8 +97,8 @@ def _aliases(node: torch.fx.Node) -> list[torch.fx.Node]:
         for user in current.users:
             if user in seen or user.op not in ("call_function", "call_method"):
                 continue
-            name = _op_name(user)
-            if name in _VIEW_NAMES or _is_view_overload(user):
+            name = op_name(user)
+            if name in VIEW_NAMES or is_view_overload(user):
                 if user.args and (user.args[0] is current or current in _flat(user.args[0])):
                     seen.append(user)
                     stack.append(user)
@@ -109,7 +109,7 @@ def _flat(arg) -> list:
     return list(arg) if isinstance(arg, (list, tuple)) else [arg]
 
 
-def _is_view_overload(node: torch.fx.Node) -> bool:
+def is_view_overload(node: torch.fx.Node) -> bool:
     target = node.target
     if isinstance(target, torch._ops.OpOverload):
         return any(a.alias_info is not None and not a.alias_info.is_write for a in target._schema.arguments[:1])

@@ -98,3 +98,15 @@ def _buffer_persistent(root: Any, steps: list[tuple[str, Any]]) -> bool | None:
         return None
     non_persistent = getattr(module, "_non_persistent_buffers_set", None)
     return None if non_persistent is None else steps[at + 1][1] not in non_persistent
+
+
+def declare_constant_source(gm: torch.fx.GraphModule, attribute: str) -> None:
+    """Record that a buffer a pass added to a dynamo graph (a folded table) comes from no user object.
+
+    Dynamo graphs map each state tensor they own to its source, and aot_autograd asserts that every
+    buffer has one: a ``ConstantSource`` says "made here"."""
+    sources = getattr(gm, "_param_name_to_source", None)
+    if isinstance(sources, dict):
+        from torch._dynamo.source import ConstantSource
+
+        sources[attribute] = ConstantSource(attribute)
