@@ -131,32 +131,29 @@ def _tokens(vocab: int) -> torch.Tensor:
     return torch.randint(0, vocab, TOKENS, generator=torch.Generator().manual_seed(1))
 
 
+def _embed_positions_case(name: str, config_class: str, model_class: str, **config) -> RealCase:
+    """GPT-J and CodeGen: each attention layer holds ``embed_positions``, the same cat(sin, cos) table."""
+    transformers = _quiet_transformers()
+    torch.manual_seed(0)
+    config = getattr(transformers, config_class)(vocab_size=128, n_positions=256, n_embd=64, n_layer=LAYERS,
+                                                 n_head=4, rotary_dim=8, use_cache=False, **config)
+    model = getattr(transformers, model_class)(config).eval()
+    tables = lambda m: _named(m, ("embed_positions",))
+    return RealCase(name, _pin("transformers"), model,
+                    (_tokens(128),), ideal_storages=distinct_contents(t for _, t in tables(model)),
+                    rope_tensors=tables, blocks=lambda m: m.transformer.h, output=lambda out: out.logits)
+
+
 def gptj() -> RealCase:
     """GPT-J: every ``GPTJAttention`` registers ``embed_positions`` = cat(sin, cos) ``(n_positions,
     rotary_dim)``, non-persistent, from the same ``create_sinusoidal_positions``: one per layer -> 1 (2 -> 1)."""
-    transformers = _quiet_transformers()
-    torch.manual_seed(0)
-    config = transformers.GPTJConfig(vocab_size=128, n_positions=256, n_embd=64, n_layer=LAYERS, n_head=4,
-                                     rotary_dim=8, use_cache=False)
-    model = transformers.GPTJForCausalLM(config).eval()
-    tables = lambda m: _named(m, ("embed_positions",))
-    return RealCase("transformers-gptj", _pin("transformers"), model,
-                    (_tokens(128),), ideal_storages=distinct_contents(t for _, t in tables(model)),
-                    rope_tensors=tables, blocks=lambda m: m.transformer.h, output=lambda out: out.logits)
+    return _embed_positions_case("transformers-gptj", "GPTJConfig", "GPTJForCausalLM")
 
 
 def codegen() -> RealCase:
     """CodeGen: same per-layer ``embed_positions`` as GPT-J, read by indexing (``embed_positions[ids]``)
     instead of ``gather`` on a repeated copy: one per layer -> 1 (2 -> 1)."""
-    transformers = _quiet_transformers()
-    torch.manual_seed(0)
-    config = transformers.CodeGenConfig(vocab_size=128, n_positions=256, n_ctx=256, n_embd=64, n_layer=LAYERS,
-                                        n_head=4, rotary_dim=8, use_cache=False)
-    model = transformers.CodeGenForCausalLM(config).eval()
-    tables = lambda m: _named(m, ("embed_positions",))
-    return RealCase("transformers-codegen", _pin("transformers"), model,
-                    (_tokens(128),), ideal_storages=distinct_contents(t for _, t in tables(model)),
-                    rope_tensors=tables, blocks=lambda m: m.transformer.h, output=lambda out: out.logits)
+    return _embed_positions_case("transformers-codegen", "CodeGenConfig", "CodeGenForCausalLM", n_ctx=256)
 
 
 def recurrent_gemma() -> RealCase:
