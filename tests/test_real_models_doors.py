@@ -1,4 +1,4 @@
-"""The other doors on real models (tests/real_models.py): torch.export, lifecycle changes, checkpoints.
+"""The other doors on real models (tests/real_models.py): torch.export, lifecycle, checkpoints, tables in forward.
 
 Same promises as the backend tests: ideal storage counts, outputs equal to the run without the pass,
 every table accounted for. Expectations come from the registry and from content equality, never from
@@ -120,3 +120,34 @@ def test_shared_persistent_tables_round_trip_with_save_model(name: str, tmp_path
     settle(other, compiled_other)
     load_model(other.model, str(tmp_path / "model.safetensors"))
     torch.testing.assert_close(settle(other, compiled_other), expected, rtol=0, atol=0)
+
+
+def cos_ops(gm: torch.fx.GraphModule) -> int:
+    return sum(1 for n in gm.graph.nodes if n.op in ("call_function", "call_method")
+               and getattr(n.target, "__name__", n.target) == "cos")
+
+
+@pytest.mark.parametrize("name", ["transformers-recurrentgemma", "rotary-embedding-torch"])
+def test_tables_computed_in_forward_are_merged(name: str) -> None:
+    """RecurrentGemma builds cos/sin from each layer's inv_freq in forward: once the inv_freq inputs are
+    one node, the two layers' computations are one (2 cos ops -> 1). rotary-embedding-torch rebuilds
+    its table per query/key call; reads on either side of its in-place cache write are never merged, so
+    fewer, not one, remain. Outputs stay bitwise equal to the graph without merging."""
+    counts, outputs = {}, {}
+    for merge in (False, True):
+        torch._dynamo.reset()
+        seen: list[int] = []
+
+        def record(gm: torch.fx.GraphModule, example_inputs) -> object:
+            seen.append(cos_ops(gm))
+            return gm.forward
+
+        case = REAL_MODELS[name]()
+        backend = RopeDedupBackend(record, merge_computed=merge, share_persistent=True)
+        outputs[merge] = settle(case, torch.compile(case.model, backend=backend))
+        counts[merge] = seen[0]
+    torch.testing.assert_close(outputs[True], outputs[False], rtol=0, atol=0)
+    if name == "transformers-recurrentgemma":
+        assert (counts[False], counts[True]) == (2, 1)
+    else:
+        assert counts[True] < counts[False]
