@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import torch
 import torch.fx
@@ -11,27 +11,35 @@ from torch.fx.passes.infra.pass_base import PassResult
 from rope_dedup.passes.find_mutations import find_mutations
 from rope_dedup.passes.find_rope_tables import Candidate, find_rope_candidates
 from rope_dedup.passes.redirect_to_canonical import redirect_to_canonical
+from rope_dedup.recognize import RopeTable, recognize_rope_table
 from rope_dedup.report import DedupReport
-from rope_dedup.store import CanonicalStore, is_routine
+from rope_dedup.store import CanonicalStore
 from rope_dedup.tensors import has_storage, local, memory_ptr, placement, storage_ptr
+
+
+class WatchedInput(NamedTuple):
+    """How to offer another tensor fed to the same graph input: the arguments the store got at compile time."""
+
+    path: str
+    kind: str
+    written: str | None
+    persistent: bool
 
 
 class RopeDedupResult(PassResult):
     """A ``PassResult`` that also carries the report and what run-time interning needs.
 
-    ``rope_inputs``: example-input position -> (path, kind, persistent) of each shared RoPE table, and of
-    each non-RoPE buffer (another block's tensor fed to the same input may be a table), to offer to the
-    store at run time.
+    ``watched_inputs``: example-input position -> :class:`WatchedInput` for every state input except
+    parameters that are not RoPE tables (see :func:`_worth_watching`). With regional compile one graph serves every block, so each block's tensor at
+    that input is offered to the store on first sight: shared, or skipped with the same reason (a
+    written cache) or its own (a buffer not RoPE-like here may be a table in another block).
     ``merged_inputs``: groups of input positions whose uses now read the first one; valid only while
     they share memory, which the backend checks on every call.
-    ``skipped_inputs``: example-input position -> (path, reason) of RoPE-relevant tables kept apart
-    (written, persistent, ...), so that other blocks' tables fed to the same input are reported too.
     """
 
     report: DedupReport
-    rope_inputs: dict[int, tuple[str, str, bool]]
+    watched_inputs: dict[int, WatchedInput]
     merged_inputs: list[tuple[int, ...]]
-    skipped_inputs: dict[int, tuple[str, str]]
 
 
 def dedup_rope(
@@ -59,29 +67,35 @@ def dedup_rope(
     candidates = find_rope_candidates(gm, example_inputs)
     written = _written_candidates(candidates, find_mutations(gm))
     kept: list[Candidate] = []
-    examine: list[Candidate] = []  # not RoPE-like here; another block's tensor at this input may be
-    skipped_inputs: dict[int, tuple[str, str]] = {}
+    watched: dict[int, WatchedInput] = {}
     for candidate in candidates:
-        offer = store.offer(candidate.tensor, candidate.path, candidate.kind, written.get(candidate.node),
-                            candidate.persistent)
+        how = WatchedInput(candidate.path, candidate.kind, written.get(candidate.node), candidate.persistent)
+        offer = store.offer(candidate.tensor, *how)
         if offer.status != "skipped":
             kept.append(candidate)
-        elif candidate.input_index is None:
-            continue
-        elif offer.reason.startswith("not RoPE-like"):
-            examine.append(candidate)
-        elif not is_routine(offer.reason):
-            skipped_inputs[candidate.input_index] = (candidate.path, offer.reason)
-    duplicates, merged = _duplicates_by_memory(kept) if not store.dry_run else ({}, [])
+        if candidate.input_index is not None and (offer.status != "skipped" or _worth_watching(candidate)):
+            watched[candidate.input_index] = how
+    duplicates, merged = duplicates_by_memory(kept) if not store.dry_run else ({}, [])
     modified = redirect_to_canonical(gm, duplicates)
     result = RopeDedupResult(gm, modified)
     result.report = DedupReport.from_store(store)
-    result.rope_inputs = {c.input_index: (c.path, c.kind, c.persistent)
-                          for c in kept + examine if c.input_index is not None}
+    result.watched_inputs = watched
     result.merged_inputs = merged
-    result.skipped_inputs = skipped_inputs
     gm.meta["rope_dedup_report"] = result.report
     return result
+
+
+def _worth_watching(candidate: Candidate) -> bool:
+    """Whether another block's tensor at a skipped input deserves a look on every call.
+
+    Buffers and tensor attributes are few, and another block's may be a table (or a written one the
+    report should name). Parameters are mostly weights, frozen ones included (say, under LoRA): watched
+    only when this one is a RoPE table kept apart, so that the hot path does not grow with the weights.
+    """
+    if candidate.kind != "parameter":
+        return True
+    tensor = candidate.tensor
+    return not tensor.requires_grad and isinstance(recognize_rope_table(local(tensor)), RopeTable)
 
 
 def _written_candidates(candidates: list[Candidate], mutations: dict[torch.fx.Node, str]) -> dict[torch.fx.Node, str]:
@@ -101,7 +115,7 @@ def _written_candidates(candidates: list[Candidate], mutations: dict[torch.fx.No
     return written
 
 
-def _duplicates_by_memory(kept: list[Candidate]) -> tuple[dict, list[tuple[int, ...]]]:
+def duplicates_by_memory(kept: list[Candidate]) -> tuple[dict, list[tuple[int, ...]]]:
     """Nodes reading the very same memory (after sharing) -> the first such node in graph order."""
     first: dict[tuple, Candidate] = {}
     duplicates: dict[torch.fx.Node, torch.fx.Node] = {}

@@ -28,12 +28,13 @@ from torch._dynamo.utils import counters
 from torch.fx.passes.infra.pass_base import PassResult
 from torch.utils._python_dispatch import _disable_current_modes
 
+from rope_dedup.passes.dedup_rope import duplicates_by_memory
 from rope_dedup.passes.find_pure_nodes import find_pure_nodes, node_key
+from rope_dedup.passes.find_rope_tables import find_rope_candidates
 from rope_dedup.passes.redirect_to_canonical import redirect_to_canonical
 from rope_dedup.recognize import RopeTable, recognize_rope_table
 from rope_dedup.sources import declare_constant_source
 from rope_dedup.store import CanonicalStore
-from rope_dedup.tensors import memory_ptr
 
 log = logging.getLogger("rope_dedup")
 
@@ -91,7 +92,10 @@ def fold_rope_constants(
         return _result(gm, False, [])
     folded = _replace(gm, constant, representative, points, values, store)
     _erase_dead(gm, constant)
-    redirect_to_canonical(gm, _same_memory(gm, folded))
+    # Constants the store aliased onto one memory: every reader reads the first one.
+    attributes = {f.attribute for f in folded}
+    readers = [c for c in find_rope_candidates(gm) if c.node.target in attributes]
+    redirect_to_canonical(gm, duplicates_by_memory(readers)[0])
     gm.graph.lint()
     gm.recompile()
     counters["rope_dedup"]["folded_nodes"] += sum(len(f.replaced) for f in folded)
@@ -296,18 +300,3 @@ def _erase_dead(gm: torch.fx.GraphModule, constant: list[torch.fx.Node]) -> None
     for node in reversed(constant):
         if not node.users:
             gm.graph.erase_node(node)
-
-
-def _same_memory(gm: torch.fx.GraphModule, folded: list[FoldedTable]) -> dict[torch.fx.Node, torch.fx.Node]:
-    """Readers of constants the store aliased onto one memory -> the first such reader in graph order."""
-    attributes = {f.attribute for f in folded}
-    first: dict[tuple, torch.fx.Node] = {}
-    duplicates: dict[torch.fx.Node, torch.fx.Node] = {}
-    for node in gm.graph.nodes:
-        if node.op != "get_attr" or node.target not in attributes:
-            continue
-        t = getattr(gm, node.target)
-        where = (memory_ptr(t), t.dtype, tuple(t.shape), tuple(t.stride()))
-        if first.setdefault(where, node) is not node:
-            duplicates[node] = first[where]
-    return duplicates

@@ -110,16 +110,15 @@ class RopeDedupBackend:
         self.graphs_compiled += 1
         counters["rope_dedup"]["graphs"] += 1
         if log.isEnabledFor(logging.INFO):  # the summary builds a whole report: only when someone reads it
-            log.info("rope_dedup: graph %d: %d RoPE input(s) interned, %d merged group(s); %s",
-                     self.graphs_compiled - 1, len(result.rope_inputs), len(result.merged_inputs),
+            log.info("rope_dedup: graph %d: %d state input(s) watched at run time, %d merged group(s); %s",
+                     self.graphs_compiled - 1, len(result.watched_inputs), len(result.merged_inputs),
                      str(self.report).splitlines()[0])
         compiled = inner(gm, example_inputs)
         fallback = None
         if result.merged_inputs:
             def fallback(args: Sequence) -> Callable:
                 return inner(pristine, list(args))
-        return InterningCallable(compiled, self.store, result.rope_inputs, result.merged_inputs, fallback,
-                                 result.skipped_inputs)
+        return InterningCallable(compiled, self.store, result.watched_inputs, result.merged_inputs, fallback)
 
     @property
     def report(self) -> DedupReport:

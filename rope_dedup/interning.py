@@ -2,9 +2,9 @@
 
 With regional compilation (each block compiled on its own) or a graph break inside the layer loop,
 dynamo compiles one graph and feeds it every layer's tables as inputs at run time: the compile-time
-pass sees only the first layer. So before each call the compiled callable checks each RoPE input's
-data pointer against the store (a dict lookup: the hot path) and, on first sight of a new table,
-verifies and aliases it (the slow path, once per tensor).
+pass sees only the first layer. So before each call the compiled callable checks each watched input's
+data pointer against the store (a dict lookup: the hot path) and, on first sight of a new tensor,
+offers it to the store (the slow path, once per tensor), which shares it or records why not.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import torch
 from torch._dynamo.utils import counters
 from torch.utils.weak import WeakIdKeyDictionary
 
+from rope_dedup.passes.dedup_rope import WatchedInput
 from rope_dedup.store import CanonicalStore
 from rope_dedup.tensors import memory_ptr
 
@@ -23,33 +24,31 @@ log = logging.getLogger("rope_dedup")
 
 
 class InterningCallable:
-    """Wraps a compiled graph: interns RoPE inputs on first sight, then runs it.
+    """Wraps a compiled graph: offers watched inputs to the store on first sight, then runs it.
 
-    ``merged_inputs`` are input groups whose uses the pass redirected to the first of the group; the
-    graph is only valid while they share memory. ``skipped_inputs`` are RoPE tables kept apart at
-    compile time (written caches, say): other blocks' tables at those inputs are added to the report. If a caller later passes tables that differ (a buffer
-    replaced with other content after compiling), the un-merged graph from ``fallback`` runs instead.
+    ``watched_inputs`` say how each input was offered at compile time (path, kind, how the graph writes
+    it, persistence); each new tensor there is offered the same way. ``merged_inputs`` are input groups
+    whose uses the pass redirected to the first of the group; the graph is only valid while they share
+    memory. If a caller later passes tables that differ (a buffer replaced with other content after
+    compiling), the un-merged graph from ``fallback`` runs instead.
     """
 
     def __init__(
         self,
         compiled: Callable,
         store: CanonicalStore,
-        rope_inputs: dict[int, tuple[str, str, bool]],
+        watched_inputs: dict[int, WatchedInput],
         merged_inputs: list[tuple[int, ...]],
         fallback: Callable[[Sequence], Callable] | None = None,
-        skipped_inputs: dict[int, tuple[str, str]] | None = None,
     ) -> None:
         self._compiled = compiled
         self._store = store
-        self._rope_inputs = rope_inputs  # input position -> (graph-relative path, kind, persistent)
-        self._positions = tuple(rope_inputs)
+        self._watched = watched_inputs
+        self._positions = tuple(watched_inputs)
         self._merged = merged_inputs
         self._fallback_factory = fallback
         self._fallback: Callable | None = None
         self._rejected = WeakIdKeyDictionary()  # tensors already refused: don't re-examine every call
-        self._skipped_inputs = skipped_inputs or {}  # position -> (path, reason) decided at compile time
-        self._noted = WeakIdKeyDictionary()  # tensors at those positions already in the report
 
     def __call__(self, *args):
         if not self.intern_inputs(args):
@@ -58,15 +57,11 @@ class InterningCallable:
         return self._compiled(*args)
 
     def intern_inputs(self, args: Sequence) -> bool:
-        """The per-call work: intern unseen RoPE inputs; return whether merged inputs still share memory."""
+        """The per-call work: offer unseen watched inputs; return whether merged inputs still share memory."""
         is_interned = self._store.is_interned
         for position in self._positions:
             if not is_interned(args[position]):
                 self._intern(position, args[position])
-        for position, (path, reason) in self._skipped_inputs.items():  # a written cache per block, say
-            if args[position] not in self._noted:
-                self._noted[args[position]] = True
-                self._store.note_skip(args[position], path, reason)
         for group in self._merged:
             ptr = memory_ptr(args[group[0]])
             for other in group[1:]:
@@ -77,11 +72,11 @@ class InterningCallable:
     def _intern(self, position: int, tensor: torch.Tensor) -> None:
         if tensor in self._rejected:
             return
-        path, kind, persistent = self._rope_inputs[position]
+        how = self._watched[position]
         try:
-            offer = self._store.offer(tensor, path, kind, persistent=persistent)
+            offer = self._store.offer(tensor, *how)
         except Exception as error:  # never let bookkeeping break a forward pass
-            log.warning("rope_dedup: run-time interning of %s failed, left unshared: %r", path, error)
+            log.warning("rope_dedup: run-time interning of %s failed, left unshared: %r", how.path, error)
             counters["rope_dedup"]["intern_errors"] += 1
             self._rejected[tensor] = True
             return

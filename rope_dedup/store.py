@@ -26,11 +26,6 @@ from rope_dedup.tensors import local, memory_ptr, placement, same_values, storag
 log = logging.getLogger("rope_dedup")
 
 
-def is_routine(reason: str) -> bool:
-    """Weights and non-RoPE state are the bulk of skips and expected; the rest concern RoPE tables."""
-    return reason.startswith(("trainable parameter", "not RoPE-like"))
-
-
 @dataclass
 class _Member:
     ref: weakref.ref
@@ -200,14 +195,10 @@ class CanonicalStore:
             refs.append(weakref.ref(tensor))
         if self.skipped.get(name) != reason:
             # Weights and activations-like state are the bulk of skips and expected; RoPE-relevant ones are not.
-            log.log(logging.DEBUG if is_routine(reason) else logging.INFO, "rope_dedup: skipped %s: %s", name, reason)
+            routine = reason.startswith(("trainable parameter", "not RoPE-like"))
+            log.log(logging.DEBUG if routine else logging.INFO, "rope_dedup: skipped %s: %s", name, reason)
         self.skipped[name] = reason
         return Offer("skipped", reason=reason)
-
-    def note_skip(self, tensor: torch.Tensor, name: str, reason: str) -> None:
-        """Record that ``tensor`` is skipped for a reason already decided for its graph input (another
-        block's instance of a written cache, under regional compile), so the report names it too."""
-        self._skip(name, reason, tensor)
 
     def _unique_name(self, name: str) -> str:
         """Regional compile shows every block's table under the same relative path: number repeats."""

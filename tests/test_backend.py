@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn as nn
 from torch._dynamo.utils import counters
+from ideal import ideal_storages
 from toy_decoder import LAYOUTS, RopeSpec, ToyDecoder, homogeneous, local_global, rope_tensors, unique_storages
 
 import rope_dedup
@@ -24,22 +25,6 @@ SCENARIOS = {
                      RopeSpec(dtype=torch.bfloat16), RopeSpec()],
     "mutated_cache": [RopeSpec(layout="lazy_cache")] * 3 + [RopeSpec()] * 2,
 }
-
-
-def ideal_storages(model: nn.Module) -> int:
-    """Distinct tables among what the graph reads, computed from construction (not by the pass).
-
-    Written caches keep one storage each. ``original_inv_freq`` is never read by forward, so no
-    compiled graph (and no compile-time pass) sees it: it keeps its own storage.
-    """
-    distinct: list[torch.Tensor] = []
-    count = 0
-    for name, tensor in rope_tensors(model):
-        if name.endswith(("cached_freqs", "original_inv_freq")):
-            count += 1
-        elif not any(t.dtype == tensor.dtype and t.shape == tensor.shape and torch.equal(t, tensor) for t in distinct):
-            distinct.append(tensor)
-    return count + len(distinct)
 
 
 def rope_storages(model: nn.Module) -> int:

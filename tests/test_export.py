@@ -9,11 +9,11 @@ import pytest
 import torch
 import torch.nn as nn
 from torch.export.graph_signature import InputKind
+from ideal import ideal_storages
 from toy_decoder import LAYOUTS, RopeSpec, ToyDecoder, homogeneous, local_global, rope_tensors, unique_storages
 
 from rope_dedup import dedup_exported
 from rope_dedup.eligibility import PERSISTENT_REASON
-from rope_dedup.tensors import same_values
 
 TOKENS = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
 
@@ -41,18 +41,6 @@ class Tables(nn.Module):
 
 def rope_inputs(ep: torch.export.ExportedProgram) -> list[str]:
     return [s.target for s in ep.graph_signature.input_specs if s.kind in (InputKind.BUFFER, InputKind.CONSTANT_TENSOR)]
-
-
-def ideal(model: nn.Module) -> int:
-    """Distinct tables among those forward reads and never writes, plus one per written or unread buffer."""
-    distinct: list[torch.Tensor] = []
-    own = 0
-    for name, tensor in rope_tensors(model):
-        if name.endswith(("cached_freqs", "original_inv_freq")):
-            own += 1
-        elif not any(t.dtype == tensor.dtype and t.shape == tensor.shape and same_values(t, tensor) for t in distinct):
-            distinct.append(tensor)
-    return own + len(distinct)
 
 
 class TestRewrite(expecttest.TestCase):
@@ -142,7 +130,7 @@ def test_toy_decoders_keep_one_input_per_table_and_equal_outputs(scenario: str) 
     values = {**deduped.constants, **deduped.state_dict}
     remaining = [values[name] for name, _ in rope_tensors(model) if name in kept]
     unread = sum(name.endswith("original_inv_freq") for name, _ in rope_tensors(model))  # never lifted
-    assert len(remaining) + unread == ideal(model)
+    assert len(remaining) + unread == ideal_storages(model)
     report = deduped.graph_module.meta["rope_dedup_report"]
     reasons = {s.path: s.reason for s in report.skipped}
     for name, _ in rope_tensors(model):
