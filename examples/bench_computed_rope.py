@@ -38,7 +38,7 @@ if __name__ == "__main__" and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:  # a 
 import torch  # noqa: E402
 
 from rope_dedup import RopeDedupBackend  # noqa: E402
-from rope_dedup.profile import load_toy_decoder  # noqa: E402
+from rope_dedup import toy_decoder as toy  # noqa: E402
 
 VARIANTS = {  # name -> (fold_constants, merge_computed)
     "off": (False, False),
@@ -54,7 +54,6 @@ VOCAB = 64
 
 
 def build(args: argparse.Namespace, layout: str, training: bool) -> torch.nn.Module:
-    toy = load_toy_decoder()
     torch.manual_seed(0)
     with torch.device(args.device):
         model = toy.ToyDecoder(toy.homogeneous(args.layers, layout=layout, max_len=args.context),

@@ -11,7 +11,7 @@ import argparse
 import torch
 
 from rope_dedup import RopeDedupBackend
-from toy_decoder import RopeSpec, ToyDecoder, homogeneous
+from rope_dedup.toy_decoder import RopeSpec, ToyDecoder, homogeneous
 
 
 def main() -> None:

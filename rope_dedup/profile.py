@@ -16,7 +16,6 @@ how a failure is shown.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import platform
@@ -31,18 +30,17 @@ import timeit
 import traceback
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from types import ModuleType
 from typing import Any, Callable, Sequence
 
 import torch
 
+from rope_dedup import toy_decoder as toy
 from rope_dedup.tensors import same_values
 
 MODES = ("eager", "compile", "rope_dedup", "regional")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 PATTERNS = ("homogeneous", "local_global")
 INNERS = ("inductor", "aot_eager", "eager")
-_TOY_PATH = Path(__file__).resolve().parent.parent / "examples" / "toy_decoder.py"
 _VOCAB = 64
 
 
@@ -76,30 +74,14 @@ PRESETS = {
 }
 
 
-def load_toy_decoder() -> ModuleType:
-    """The repository's ``examples/toy_decoder.py`` (the profiled model); it needs a source checkout."""
-    name = "_rope_dedup_toy_decoder"
-    if name in sys.modules:
-        return sys.modules[name]
-    if not _TOY_PATH.is_file():
-        raise FileNotFoundError(f"the profile's model, examples/toy_decoder.py, is not at {_TOY_PATH}: "
-                                f"run from a source checkout (pip install -e .)")
-    spec = importlib.util.spec_from_file_location(name, _TOY_PATH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up while the file executes
-    spec.loader.exec_module(module)
-    return module
-
-
 def profile_layouts() -> tuple[str, ...]:
     """Toy layouts the profile accepts: ``lazy_cache`` is written during forward, so it is state, not a
     table, and an "ideal" storage for it would be meaningless."""
-    return tuple(layout for layout in load_toy_decoder().LAYOUTS if layout != "lazy_cache")
+    return tuple(layout for layout in toy.LAYOUTS if layout != "lazy_cache")
 
 
 def build_model(config: ProfileConfig) -> torch.nn.Module:
     """The toy decoder ``config`` describes, in eval mode on its device."""
-    toy = load_toy_decoder()
     spec = dict(layout=config.layout, max_len=config.context, dtype=DTYPES[config.dtype])
     if config.pattern == "local_global":
         specs = toy.local_global(config.layers, **spec)
@@ -116,7 +98,7 @@ def ideal_storage(tables: Sequence[torch.Tensor]) -> tuple[int, int]:
     for table in tables:
         if not any(d.dtype == table.dtype and d.shape == table.shape and same_values(d, table) for d in distinct):
             distinct.append(table)
-    return load_toy_decoder().unique_storages(distinct)
+    return toy.unique_storages(distinct)
 
 
 # -- the child: one mode, one process ---------------------------------------------------------------
@@ -233,7 +215,6 @@ def _simulated_oom(mode: str, device: str) -> None:
 def measure(config: ProfileConfig, mode: str) -> dict[str, Any]:
     """Build, compile and run ``config``'s model in ``mode`` in this process; every figure as a dict."""
     torch.set_num_threads(config.threads)
-    toy = load_toy_decoder()
     cuda = config.device == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     torch.manual_seed(0)

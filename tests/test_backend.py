@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 from torch._dynamo.utils import counters
 from ideal import ideal_storages
-from toy_decoder import LAYOUTS, RopeSpec, ToyDecoder, homogeneous, local_global, rope_tensors, unique_storages
+from rope_dedup.toy_decoder import LAYOUTS, RopeSpec, ToyDecoder, homogeneous, local_global, rope_tensors, unique_storages
 
 import rope_dedup
 from rope_dedup import RopeDedupBackend

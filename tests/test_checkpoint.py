@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 from safetensors.torch import load_model, save_file, save_model
-from toy_decoder import RopeSpec, ToyDecoder, homogeneous, rope_tensors, unique_storages
+from rope_dedup.toy_decoder import RopeSpec, ToyDecoder, homogeneous, rope_tensors, unique_storages
 
 from rope_dedup import RopeDedupBackend, dedup_rope, unshare
 from rope_dedup.eligibility import PERSISTENT_REASON

@@ -158,7 +158,7 @@ def test_audit_of_a_file_factory_marks_the_odd_layer(capsys) -> None:
 
 def test_audit_of_a_dotted_module(tmp_path, monkeypatch, capsys) -> None:
     (tmp_path / "my_model.py").write_text(
-        "import torch\nfrom toy_decoder import ToyDecoder, local_global\n"
+        "import torch\nfrom rope_dedup.toy_decoder import ToyDecoder, local_global\n"
         "def make():\n    return ToyDecoder(local_global(3, max_len=32)), torch.zeros(1, 4, dtype=torch.long)\n")
     monkeypatch.chdir(tmp_path)
     assert main(["audit", "my_model:make"]) == 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 from torch._dynamo.utils import counters
-from toy_decoder import ToyDecoder, homogeneous, rope_tensors
+from rope_dedup.toy_decoder import ToyDecoder, homogeneous, rope_tensors
 
 from rope_dedup import RopeDedupBackend
 from rope_dedup.sources import placeholder_origin

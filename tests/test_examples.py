@@ -44,7 +44,7 @@ def fast_runs() -> dict[str, subprocess.Popen]:
 
 
 def test_every_example_is_covered() -> None:
-    scripts = {p.name for p in EXAMPLES.glob("*.py") if p.name != "toy_decoder.py"}
+    scripts = {p.name for p in EXAMPLES.glob("*.py")}
     assert scripts == set(EXPECTED)
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from toy_decoder import RopeSpec, ToyDecoder, homogeneous, local_global, rope_tensors, unique_storages
+from rope_dedup.toy_decoder import RopeSpec, ToyDecoder, homogeneous, local_global, rope_tensors, unique_storages
 
 from rope_dedup import RopeDedupBackend, explain
 from rope_dedup.explain import split_layer

@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 from torch.export.graph_signature import InputKind
 from ideal import ideal_storages
-from toy_decoder import LAYOUTS, RopeSpec, ToyDecoder, homogeneous, local_global, rope_tensors, unique_storages
+from rope_dedup.toy_decoder import LAYOUTS, RopeSpec, ToyDecoder, homogeneous, local_global, rope_tensors, unique_storages
 
 from rope_dedup import dedup_exported
 from rope_dedup.eligibility import PERSISTENT_REASON

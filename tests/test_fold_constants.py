@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn as nn
 from torch._dynamo.utils import counters
-from toy_decoder import COMPUTED_LAYOUTS, RopeSpec, ToyDecoder, homogeneous
+from rope_dedup.toy_decoder import COMPUTED_LAYOUTS, RopeSpec, ToyDecoder, homogeneous
 
 from rope_dedup import RopeDedupBackend
 from rope_dedup.backend import COMPUTED_TABLE_DEFAULTS

@@ -14,7 +14,7 @@ import weakref
 import pytest
 import torch
 from torch._dynamo.utils import counters
-from toy_decoder import RopeSpec, ToyDecoder, homogeneous, local_global, rope_tensors, unique_storages
+from rope_dedup.toy_decoder import RopeSpec, ToyDecoder, homogeneous, local_global, rope_tensors, unique_storages
 
 from rope_dedup import RopeDedupBackend
 

@@ -8,11 +8,12 @@ import pytest
 import torch
 
 from rope_dedup import profile as prof
+from rope_dedup import toy_decoder
 
 
 def test_ideal_is_one_storage_per_distinct_table_from_content() -> None:
     config = prof.ProfileConfig(layers=6, context=32, head_dim=16, pattern="local_global", modes=())
-    tables = [t for _, t in prof.load_toy_decoder().rope_tensors(prof.build_model(config))]
+    tables = [t for _, t in toy_decoder.rope_tensors(prof.build_model(config))]
     count, nbytes = prof.ideal_storage(tables)
     assert count == 4  # cos and sin, for theta 1e4 and 1e6
     assert nbytes == 4 * 32 * 8 * 4
@@ -21,7 +22,7 @@ def test_ideal_is_one_storage_per_distinct_table_from_content() -> None:
 @pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
 def test_ideal_handles_half_precision_complex_tables() -> None:
     config = prof.ProfileConfig(layers=3, context=32, head_dim=16, dtype="bfloat16", layout="complex", modes=())
-    tables = [t for _, t in prof.load_toy_decoder().rope_tensors(prof.build_model(config))]
+    tables = [t for _, t in toy_decoder.rope_tensors(prof.build_model(config))]
     assert tables[0].dtype == torch.complex32  # torch.equal does not implement it
     assert prof.ideal_storage(tables) == (1, 32 * 8 * 4)
 

@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch._dynamo.utils import counters
 from ideal import ideal_storages
-from toy_decoder import LAYOUTS, SCALINGS, RopeSpec, ToyDecoder, rope_tensors
+from rope_dedup.toy_decoder import LAYOUTS, SCALINGS, RopeSpec, ToyDecoder, rope_tensors
 
 from rope_dedup import RopeDedupBackend
 

@@ -1,17 +1,14 @@
 """Recognition and keys, from tensor content alone: every layout, scaled variants, impostors, properties.
 
 Tables are built the way model code builds them (float32 frequencies and angles, cast at the end), with
-the frequency code of ``examples/toy_decoder.py``. Nothing here passes a name to the library.
+the frequency code of ``rope_dedup/toy_decoder.py``. Nothing here passes a name to the library.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import math
-import sys
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,21 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rope_dedup import NotRope, RopeKey, RopeTable, infer_key, recognize_rope_table
-
-
-def _load_toy():
-    """examples/ is not a package: load the toy decoder from its file, whatever the import mode."""
-    name = "rope_dedup_examples_toy_decoder"
-    if name not in sys.modules:
-        path = Path(__file__).resolve().parents[1] / "examples" / "toy_decoder.py"
-        spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module  # dataclasses look their module up while the file executes
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-toy = _load_toy()
+from rope_dedup import toy_decoder as toy
 
 
 @pytest.fixture(autouse=True, scope="module")
