@@ -3,7 +3,8 @@
 Two graph forms reach the pass. Dynamo graphs (``torch.compile``) receive parameters, buffers, tensor
 attributes and globals as placeholders, matched positionally with ``example_inputs`` (the very tensor
 objects of the model). ``torch.fx.symbolic_trace`` graphs read them through ``get_attr`` nodes on the
-GraphModule. Plain forward arguments are activations, not state, and are not candidates.
+GraphModule, and so do dynamo graphs under inductor's ``freezing``, where the source dynamo recorded
+says what each really is. Plain forward arguments are activations, not state, and are not candidates.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Sequence
 import torch
 import torch.fx
 
-from rope_dedup.sources import placeholder_origin
+from rope_dedup.sources import attribute_origin, placeholder_origin
 
 
 @dataclass(frozen=True)
@@ -52,13 +53,20 @@ def find_rope_candidates(gm: torch.fx.GraphModule, example_inputs: Sequence | No
         value = getattr(owner, attr, None)
         if not isinstance(value, torch.Tensor):
             continue
+        origin = attribute_origin(gm, node.target)
+        if origin is not None and origin.kind != "input":  # freezing: dynamo knows the real owner
+            kind = "parameter" if isinstance(value, torch.nn.Parameter) else origin.kind
+            persistent = kind == "parameter" or (kind == "buffer" and origin.persistent is not False)
+            candidates.append(Candidate(node, value, origin.path, kind, None, persistent))
+            continue
         if attr in owner._parameters:
             kind = "parameter"
         elif attr in owner._buffers:
             kind = "buffer"
         else:
             kind = "attribute"
-        # symbolic_trace registers every buffer it copies as persistent: the GraphModule's state_dict has it.
+        # symbolic_trace up to torch 2.13 registers every buffer it copies as persistent (the GraphModule's
+        # state_dict has it); rope_dedup.symbolic_trace keeps the model's own choice.
         persistent = kind == "parameter" or (kind == "buffer" and attr not in owner._non_persistent_buffers_set)
         candidates.append(Candidate(node, value, node.target, kind, None, persistent))
     return candidates

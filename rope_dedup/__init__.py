@@ -9,12 +9,14 @@ examined ends up shared or skipped with a reason in the report.
 
 from rope_dedup.passes.dedup_rope import RopeDedupResult, dedup_rope
 from rope_dedup.backend import RopeDedupBackend, rope_dedup_backend
+from rope_dedup.config import RopeDedupConfig
 from rope_dedup.explain import Explanation, explain
 from rope_dedup.export import dedup_exported
 from rope_dedup.keys import RopeKey, infer_key
 from rope_dedup.recognize import NotRope, RopeTable, recognize_rope_table
 from rope_dedup.report import DedupReport, Group, Skip
 from rope_dedup.store import CanonicalStore
+from rope_dedup.tracing import symbolic_trace
 from rope_dedup.unshare import unshare
 
 __all__ = [
@@ -24,6 +26,7 @@ __all__ = [
     "Group",
     "NotRope",
     "RopeDedupBackend",
+    "RopeDedupConfig",
     "RopeDedupResult",
     "RopeKey",
     "RopeTable",
@@ -34,5 +37,6 @@ __all__ = [
     "infer_key",
     "recognize_rope_table",
     "rope_dedup_backend",
+    "symbolic_trace",
     "unshare",
 ]

@@ -4,33 +4,25 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable, Sequence
+from importlib.metadata import entry_points
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.fx
-from torch._dynamo.backends.registry import lookup_backend, register_backend
+from torch._dynamo.backends.registry import register_backend
 from torch._dynamo.utils import counters
 
 from rope_dedup.passes.dedup_rope import dedup_rope
 from rope_dedup.passes.fold_rope_constants import fold_rope_constants
 from rope_dedup.passes.merge_rope_subgraphs import merge_rope_subgraphs
+from rope_dedup.config import RopeDedupConfig
 from rope_dedup.interning import InterningCallable
 from rope_dedup.report import DedupReport
 from rope_dedup.store import CanonicalStore
 
 log = logging.getLogger("rope_dedup")
 
-# Tables computed in forward: (fold_constants, merge_computed) per inner backend when left at None, as
-# measured in docs/benchmarks.md ("Tables computed in forward"; 16 layers, 2-core CPU). eager, aot_eager:
-# both help (forward step 0.55-0.85x) and outputs stay bitwise equal. inductor: merging 0.96-1.02x,
-# nothing measurable; folding 0.97-0.98x forward, 0.89-0.94x training, but the folded table holds eager's
-# cos/sin, which differ from inductor's fused ones in the last bits: outputs would no longer equal the
-# compile without the pass, so it is opt-in (fold_constants=True). A callable inner gets neither.
-COMPUTED_TABLE_DEFAULTS: dict[str, tuple[bool, bool]] = {
-    "eager": (True, True),
-    "aot_eager": (True, True),
-    "inductor": (False, False),
-}
+BACKEND_NAME = "rope_dedup"
 
 
 def _copy_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
@@ -42,63 +34,81 @@ def _copy_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
 
 
 class RopeDedupBackend:
-    """A torch.compile backend: share identical RoPE tables, then compile with ``inner``.
+    """A torch.compile backend: share identical RoPE tables, then compile with the inner backend.
 
-    ``inner`` is a backend name (``"inductor"``, ``"aot_eager"``, ``"eager"``) or a backend callable.
-    One instance keeps one canonical store across every graph it compiles, so per-block compiles and
-    graph breaks share too; two instances never share with each other. With ``strict=True`` an
-    unexpected error inside the pass is raised; otherwise the graph is compiled without sharing and the
-    error is logged and kept in ``report.errors``. With ``dry_run=True`` nothing is aliased or
-    rewritten: the report says what would be shared (see :func:`rope_dedup.explain`). Tensors saved in
-    a ``state_dict`` (persistent buffers, frozen parameters) are skipped with the reason unless
-    ``share_persistent=True``: safetensors' ``save_file`` refuses tensors that share memory
-    (``save_model`` handles them).
-
-    Tables computed in ``forward``: ``fold_constants`` evaluates a subgraph that reads no input and
-    ends in a RoPE table once, at compile time, into one shared constant; ``merge_computed`` merges
-    identical table computations that read buffers or positions (never folded: those may change). None
-    (the default) takes :data:`COMPUTED_TABLE_DEFAULTS`, set by measurement: both on for ``eager`` and
-    ``aot_eager``, neither for ``inductor`` or a callable ``inner``. Under ``inductor``,
-    ``fold_constants=True`` is a few percent faster on CPU, but a folded table holds eager's cos/sin
-    values, which differ from inductor's fused ones in the last bits (outputs then differ by ~1e-6).
+    ``RopeDedupBackend(inner, **options)`` takes the fields of :class:`~rope_dedup.config.RopeDedupConfig`
+    as keywords (or ``config=`` one object); what each means and defaults to is documented there. One
+    instance keeps one canonical store across every graph it compiles, so per-block compiles and graph
+    breaks share too; two instances never share with each other. ``torch.compile(model, backend=...,
+    mode=..., options=...)`` reaches the backend too: ``mode`` and inductor's options go on to the inner
+    backend, rope_dedup's own option names in ``options`` (``inner``, ``dry_run``, ...) set this compile's
+    config, so ``torch.compile(model, backend="rope_dedup", options={"inner": "aot_eager"})`` needs no
+    import.
     """
 
-    def __init__(self, inner: str | Callable = "inductor", *, strict: bool = False, dry_run: bool = False,
-                 share_persistent: bool = False, fold_constants: bool | None = None,
-                 merge_computed: bool | None = None) -> None:
-        self.inner = inner
-        self.fold_constants = fold_constants  # None: COMPUTED_TABLE_DEFAULTS for the inner backend
-        self.merge_computed = merge_computed
-        self.strict = strict
-        self.store = CanonicalStore(dry_run=dry_run, share_persistent=share_persistent)
+    def __init__(self, inner: str | Callable = "inductor", *, config: RopeDedupConfig | None = None,
+                 **options: Any) -> None:
+        if config is None:
+            unknown = sorted(set(options) - set(RopeDedupConfig.option_names()))
+            if unknown:
+                raise TypeError(f"unknown option(s) {', '.join(unknown)}: RopeDedupBackend takes "
+                                f"{', '.join(RopeDedupConfig.option_names())}")
+            config = RopeDedupConfig(inner=inner, **options)
+        elif options or inner != "inductor":
+            raise TypeError("give either config= or the options themselves, not both")
+        self.config = config
+        # One store per storage policy: a compile whose options ask for another policy (say dry_run) must
+        # not alias into, or be reported as, this one's shared tables.
+        self._stores: dict[tuple[bool, bool], CanonicalStore] = {}
+        self.store = self._store_for(config)
+        self._configs: dict[str, RopeDedupConfig] = {}
         self.graphs_compiled = 0
         self.pass_seconds = 0.0  # the pass plus its safety copy of the graph, all graphs together
         self.errors: list[str] = []
 
-    def _inner_backend(self) -> Callable:
-        return lookup_backend(self.inner) if isinstance(self.inner, str) else self.inner
+    @property
+    def inner(self) -> str | Callable:
+        return self.config.inner
 
     def computed_table_transforms(self) -> tuple[bool, bool]:
         """(fold constant RoPE subgraphs, merge identical ones) as this backend will apply them."""
-        fold, merge = COMPUTED_TABLE_DEFAULTS.get(self.inner, (False, False)) if isinstance(self.inner, str) \
-            else (False, False)
-        fold = fold if self.fold_constants is None else self.fold_constants
-        merge = merge if self.merge_computed is None else self.merge_computed
-        return fold, merge
+        return self.config.computed_table_transforms()
 
-    def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence) -> Callable:
-        inner = self._inner_backend()
+    def _store_for(self, config: RopeDedupConfig) -> CanonicalStore:
+        policy = (config.dry_run, config.share_persistent)
+        if policy not in self._stores:
+            self._stores[policy] = CanonicalStore(dry_run=config.dry_run, share_persistent=config.share_persistent)
+        return self._stores[policy]
+
+    def _config_for(self, compile_kwargs: dict[str, Any]) -> RopeDedupConfig:
+        """This compile's config: the backend's, with what ``torch.compile`` forwarded (mode, options)."""
+        if not compile_kwargs:
+            return self.config
+        unknown = sorted(set(compile_kwargs) - {"mode", "options"})
+        if unknown:
+            raise TypeError(f"RopeDedupBackend got unexpected keyword(s) {', '.join(unknown)}: torch.compile "
+                            f"forwards only mode and options")
+        cache_key = repr(sorted(compile_kwargs.items(), key=lambda kv: kv[0]))
+        if cache_key not in self._configs:
+            self._configs[cache_key] = RopeDedupConfig.from_options(
+                compile_kwargs.get("options"), base=self.config, mode=compile_kwargs.get("mode"))
+        return self._configs[cache_key]
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence, **compile_kwargs: Any) -> Callable:
+        config = self._config_for(compile_kwargs)
+        store = self._store_for(config)
+        inner = config.inner_backend()
         started = time.perf_counter()
         pristine = _copy_graph_module(gm)
         try:
-            result = dedup_rope(gm, example_inputs, store=self.store)
-            fold, merge = self.computed_table_transforms()
-            if merge and not self.store.dry_run:  # after dedup_rope: per-layer tables now read one node
-                merge_rope_subgraphs(gm, example_inputs, store=self.store)
-            if fold and not self.store.dry_run:
-                fold_rope_constants(gm, example_inputs, store=self.store)
+            result = dedup_rope(gm, example_inputs, store=store)
+            fold, merge = config.computed_table_transforms()
+            if merge and not store.dry_run:  # after dedup_rope: per-layer tables now read one node
+                merge_rope_subgraphs(gm, example_inputs, store=store)
+            if fold and not store.dry_run:
+                fold_rope_constants(gm, example_inputs, store=store)
         except Exception as error:
-            if self.strict:
+            if config.strict:
                 raise
             message = f"graph {self.graphs_compiled}: pass failed, compiled without sharing: {error!r}"
             log.error("rope_dedup: %s", message, exc_info=True)
@@ -118,22 +128,33 @@ class RopeDedupBackend:
         if result.merged_inputs:
             def fallback(args: Sequence) -> Callable:
                 return inner(pristine, list(args))
-        return InterningCallable(compiled, self.store, result.watched_inputs, result.merged_inputs, fallback)
+        return InterningCallable(compiled, store, result.watched_inputs, result.merged_inputs, fallback)
 
     @property
     def report(self) -> DedupReport:
         """Everything this backend has shared or skipped, across all graphs it compiled."""
-        return DedupReport.from_store(self.store, errors=self.errors)
+        return DedupReport.from_stores(self._stores.values(), errors=self.errors)
 
     def report_for(self, model: torch.nn.Module) -> DedupReport:
         """The report with members named by their full path in ``model`` (useful after regional compile)."""
-        return DedupReport.from_store(self.store, model=model, errors=self.errors)
+        return DedupReport.from_stores(self._stores.values(), model=model, errors=self.errors)
 
 
 rope_dedup_backend = RopeDedupBackend()
 """Ready instance with the inductor inner backend: ``torch.compile(model, backend=rope_dedup_backend)``."""
 
-try:
-    register_backend(rope_dedup_backend, name="rope_dedup")
-except Exception as error:  # already registered (module reloaded): keep the first
-    log.debug("rope_dedup: backend name already registered: %r", error)
+
+def _installed_as_entry_point() -> bool:
+    """Whether this package's metadata names the backend in torch's ``torch_dynamo_backends`` group.
+
+    Then torch finds the name on its own, even in a process that never imported rope_dedup, and loading
+    that entry point imports this module: registering here too would make torch assert a duplicate name.
+    """
+    try:
+        return any(ep.name == BACKEND_NAME for ep in entry_points(group="torch_dynamo_backends"))
+    except Exception:  # unreadable metadata of some other distribution: fall back to registering here
+        return False
+
+
+if not _installed_as_entry_point():  # a source tree on sys.path without pip install
+    register_backend(rope_dedup_backend, name=BACKEND_NAME)

@@ -7,6 +7,7 @@ import torch
 from rope_dedup.tensors import is_dtensor, local
 
 
+TRAINABLE_REASON = "trainable parameter (requires grad): never shared"
 PERSISTENT_REASON = (
     "in the state_dict (persistent buffer or frozen parameter): shared storage would make safetensors' "
     "save_file refuse the state_dict and load_state_dict write every sharer; share_persistent=True opts in"
@@ -23,7 +24,7 @@ def why_not_shareable(tensor: torch.Tensor, kind: str, written: str | None, pers
     opts in.
     """
     if isinstance(tensor, torch.nn.Parameter) and tensor.requires_grad:
-        return "trainable parameter (requires grad): never shared"
+        return TRAINABLE_REASON
     if tensor.requires_grad:
         return "requires grad: aliasing would merge gradient flows"
     if written is not None:

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Iterable, Sequence
 
 import torch
 
+from rope_dedup.eligibility import TRAINABLE_REASON
 from rope_dedup.keys import RopeKey
 from rope_dedup.tensors import describe_placement, local, storage_nbytes, storage_ptr
 
@@ -66,6 +67,13 @@ class DedupReport:
         return [g for g in self.groups if g.conflict_with is not None]
 
     @classmethod
+    def from_stores(cls, stores: Iterable, model: torch.nn.Module | None = None,
+                    errors: Sequence[str] = ()) -> DedupReport:
+        """One report over several stores (a backend keeps one per storage policy its compiles asked for)."""
+        parts = [cls.from_store(store, model) for store in stores]
+        return cls([g for p in parts for g in p.groups], [s for p in parts for s in p.skipped], list(errors))
+
+    @classmethod
     def from_store(cls, store, model: torch.nn.Module | None = None, errors: Sequence[str] = ()) -> DedupReport:
         """Snapshot a :class:`~rope_dedup.store.CanonicalStore`'s live groups and its skip list.
 
@@ -114,7 +122,11 @@ class DedupReport:
                          f"but different content: kept separate")
         if self.skipped:
             lines.append(f"skipped {len(self.skipped)}:")
+            # Weights are the bulk of any model's skips and never a RoPE table: one line, so RoPE news stands out.
             by_reason = Counter(s.reason for s in self.skipped)
+            trainable = by_reason.pop(TRAINABLE_REASON, 0)
+            if trainable:
+                lines.append(f"  {trainable} trainable parameter(s) (requires grad): never shared, not listed")
             for reason, count in by_reason.items():
                 paths = [s.path for s in self.skipped if s.reason == reason]
                 shown = ", ".join(paths[:4]) + (f", ... (+{count - 4})" if count > 4 else "")

@@ -31,10 +31,24 @@ class InputOrigin:
 
 def placeholder_origin(node: torch.fx.Node) -> InputOrigin:
     """Describe where a dynamo placeholder's value lives; falls back to the node name without a source."""
-    grapharg = node.meta.get("grapharg")
-    source = getattr(grapharg, "source", None)
+    return source_origin(getattr(node.meta.get("grapharg"), "source", None), node.name)
+
+
+def attribute_origin(gm: torch.fx.GraphModule, target: str) -> InputOrigin | None:
+    """Where a dynamo graph's ``get_attr`` tensor really lives, or None for a graph dynamo did not make.
+
+    With inductor's ``freezing`` (and dynamo's ``install_free_tensors``) module state reaches the backend
+    as attributes of the GraphModule, each registered there as a persistent buffer whatever the model
+    said; ``gm._param_name_to_source`` keeps the source dynamo read it from, as placeholders do.
+    """
+    source = getattr(gm, "_param_name_to_source", None) or {}
+    return source_origin(source[target], target) if source.get(target) is not None else None
+
+
+def source_origin(source: Any, name: str) -> InputOrigin:
+    """Describe the module state a dynamo source reads; ``name`` stands in where there is no source."""
     if source is None:
-        return InputOrigin(node.name, "input")
+        return InputOrigin(name, "input")
     root, steps = _steps(source)
     attributes = [name for how, name in steps if how == "attr"]
     names = [str(name) for _, name in steps if name not in _CONTAINERS]
@@ -42,7 +56,7 @@ def placeholder_origin(node: torch.fx.Node) -> InputOrigin:
     if global_name is not None:
         return InputOrigin(".".join([global_name, *names]), "global")
     if not attributes:  # a forward argument, possibly inside *args: an activation, not module state
-        return InputOrigin(getattr(root, "local_name", None) or node.name, "input")
+        return InputOrigin(getattr(root, "local_name", None) or name, "input")
     if "_parameters" in attributes:
         return InputOrigin(".".join(names), "parameter")
     if "_buffers" in attributes:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from rope_dedup.eligibility import why_not_shareable
+from rope_dedup.eligibility import TRAINABLE_REASON, why_not_shareable
 from rope_dedup.keys import RopeKey, infer_key
 from rope_dedup.recognize import NotRope, recognize_rope_table
 from rope_dedup.tensors import local, memory_ptr, placement, same_values, storage_nbytes, storage_ptr
@@ -195,7 +195,7 @@ class CanonicalStore:
             refs.append(weakref.ref(tensor))
         if self.skipped.get(name) != reason:
             # Weights and activations-like state are the bulk of skips and expected; RoPE-relevant ones are not.
-            routine = reason.startswith(("trainable parameter", "not RoPE-like"))
+            routine = reason == TRAINABLE_REASON or reason.startswith("not RoPE-like")
             log.log(logging.DEBUG if routine else logging.INFO, "rope_dedup: skipped %s: %s", name, reason)
         self.skipped[name] = reason
         return Offer("skipped", reason=reason)

@@ -11,9 +11,11 @@ from __future__ import annotations
 import pytest
 import torch
 from safetensors.torch import load_model, save_file, save_model
-from rope_dedup.toy_decoder import RopeSpec, ToyDecoder, homogeneous, rope_tensors, unique_storages
+from torch.torch_version import TorchVersion
 
+import rope_dedup
 from rope_dedup import RopeDedupBackend, dedup_rope, unshare
+from rope_dedup.toy_decoder import RopeSpec, ToyDecoder, homogeneous, rope_tensors, unique_storages
 from rope_dedup.eligibility import PERSISTENT_REASON
 
 TOKENS = torch.randint(0, 64, (1, 8), generator=torch.Generator().manual_seed(0))
@@ -128,14 +130,45 @@ class Tables(torch.nn.Module):
         return x * self.a + x * self.b
 
 
-def test_symbolic_trace_makes_every_buffer_persistent() -> None:
-    """symbolic_trace copies buffers into the GraphModule as persistent ones, and its state_dict has them."""
+# torch 2.14 made symbolic_trace keep persistent=False (the GraphModule used to register every buffer it
+# copies as persistent); the tests below say which torch does what.
+TRACE_KEEPS_PERSISTENCE = torch.__version__ >= TorchVersion("2.14")
+
+
+def test_plain_symbolic_trace_keeps_persistence_only_from_torch_2_14() -> None:
     gm = torch.fx.symbolic_trace(Tables())
-    assert set(gm.state_dict()) == {"a", "b"}
-    result = dedup_rope(gm)
-    assert not result.modified
-    assert {s.reason for s in result.report.skipped} == {PERSISTENT_REASON}
+    if TRACE_KEEPS_PERSISTENCE:
+        assert set(gm.state_dict()) == set()
+        assert dedup_rope(gm).modified
+    else:
+        assert set(gm.state_dict()) == {"a", "b"}
+        result = dedup_rope(gm)
+        assert not result.modified
+        assert {s.reason for s in result.report.skipped} == {PERSISTENT_REASON}
     assert dedup_rope(torch.fx.symbolic_trace(Tables()), share_persistent=True).modified
+
+
+def test_rope_dedup_symbolic_trace_shares_non_persistent_tables_on_every_torch() -> None:
+    model = Tables()
+    gm = rope_dedup.symbolic_trace(model)
+    assert set(gm.state_dict()) == set(model.state_dict()) == set()
+    x = torch.randn(16, 8)
+    result = dedup_rope(gm)
+    assert result.modified
+    assert [len(g.members) for g in result.report.groups] == [2]
+    assert gm.a.data_ptr() == gm.b.data_ptr()
+    assert not result.report.skipped
+    torch.testing.assert_close(gm(x), model(x), rtol=0, atol=0)
+
+
+def test_rope_dedup_symbolic_trace_keeps_persistent_buffers_persistent() -> None:
+    model = Tables()
+    model._non_persistent_buffers_set.discard("a")
+    gm = rope_dedup.symbolic_trace(model)
+    assert set(gm.state_dict()) == {"a"}
+    result = dedup_rope(gm)
+    assert [s.path for s in result.report.skipped] == ["a"]
+    assert [g.members for g in result.report.groups] == [["b"]]
 
 
 def test_a_checkpoint_with_different_tables_needs_unshare_first() -> None:

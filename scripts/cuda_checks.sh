@@ -1,0 +1,200 @@
+#!/usr/bin/env bash
+# cuda_checks.sh [OUTDIR]
+#
+# Every CUDA figure of the project in one run, sized for one GPU machine and about 9 minutes of wall
+# time (CUDA_CHECKS_BUDGET_S, default 540). On a machine whose torch sees no CUDA device it stops
+# within seconds, before writing anything: exit 2 and one line on stderr.
+#
+#   scripts/cuda_checks.sh                  # writes to ${OUT:-out/cuda}
+#   scripts/cuda_checks.sh /tmp/cuda-run
+#
+# Steps (files under OUTDIR):
+#   a. torch must see a CUDA device, else exit 2: "no CUDA device visible to torch X.Y ...; nothing was run".
+#   b. set up (setup.txt) and record the machine (env.txt: nvidia-smi, torch, torch.version.cuda, device).
+#   c. the fast test suite, CUDA tests included (pytest.txt). tests/test_cuda_checks.py is left out
+#      there: its CUDA test runs step e's script, which step e runs anyway.
+#   d. rope-dedup profile --preset titan-128k --device cuda (profile-titan-128k-cuda.{txt,json,png}).
+#   e. scripts/cuda_graphs_check.py: CUDA graphs (mode reduce-overhead) with and without rope_dedup,
+#      whole model and per block (cuda_graphs.{txt,json}).
+#   f. a summary of exit codes (also summary.txt); exit 1 if any step failed, else 0.
+#
+# Python: $PYTHON if set, else .venv/bin/python if .venv exists, else python3. When .venv is missing,
+# step b creates it from python3:
+#   - if python3's torch sees CUDA (the GPU machine's image: its torch, whatever its version, and
+#     nothing can be downloaded there), the venv sees python3's packages (--system-site-packages plus
+#     a .pth naming python3's own site-packages, since python3 may itself be a venv; pip comes from
+#     there too) and the project is installed with --no-deps: that torch is kept, never replaced;
+#   - if python3 has no torch at all, `pip install -e '.[test]'` (torch not pinned: pip's default
+#     build, the CUDA one).
+# A folder .whl/ of wheels (packages the image lacks, e.g. expecttest) is installed offline first.
+# If .venv exists but its torch has no CUDA, step a stops: remove .venv or set PYTHON.
+#
+# Each step runs under `timeout` with what is left of the budget, minus what the later steps are
+# guaranteed (RESERVE_* below); a step gets SIGINT first, so a cut-off pytest still prints its summary.
+# PYTEST_ARGS replaces the default pytest arguments.
+set -euo pipefail
+
+repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+outdir=${1:-${OUT:-out/cuda}}
+case $outdir in /*) ;; *) outdir=$PWD/$outdir ;; esac
+cd "$repo"
+
+budget=${CUDA_CHECKS_BUDGET_S:-540}
+started=$SECONDS
+# Seconds kept back for the later steps, so an overrunning step cannot starve them.
+RESERVE_PROFILE=270
+RESERVE_GRAPHS=110
+
+say() { echo "cuda_checks: $*" >&2; }
+
+# -- a. fail fast without CUDA ---------------------------------------------------------------------
+if [ -n "${PYTHON:-}" ]; then
+    py=$PYTHON
+elif [ -x .venv/bin/python ]; then
+    py=.venv/bin/python
+else
+    py=python3
+fi
+# "<torch version> <1 if CUDA is available, else 0>", or nothing if torch does not import.
+probe=$(timeout 60 "$py" -c 'import torch; print(torch.__version__, int(torch.cuda.is_available()))' 2>/dev/null || true)
+if [ -z "$probe" ]; then
+    if ! timeout 20 nvidia-smi -L 2>/dev/null | grep -q '^GPU'; then
+        say "no CUDA device: torch does not import with $py and nvidia-smi lists no GPU; nothing was run"
+        exit 2
+    fi
+    # A GPU but no torch: step b installs one (when .venv is to be created).
+elif [ "${probe#* }" != 1 ]; then
+    say "no CUDA device visible to torch ${probe% *} ($py); nothing was run"
+    exit 2
+fi
+
+mkdir -p "$outdir"
+names=() codes=() secs=() files=()
+
+# run_step NAME CAP RESERVE OUTFILE COMMAND...: run COMMAND, stdout and stderr to OUTFILE, with a limit
+# of min(CAP, what is left of the budget minus RESERVE); records its exit code (124: out of time).
+run_step() {
+    local name=$1 cap=$2 reserve=$3 file=$4
+    shift 4
+    local left=$((budget - (SECONDS - started) - reserve))
+    local limit=$((cap < left ? cap : left))
+    local t0=$SECONDS code=0
+    if [ "$limit" -lt 20 ]; then
+        echo "skipped: out of time (${left}s left of the budget for this step)" >"$file"
+        code=124
+    else
+        say "$name (up to ${limit}s) -> $file"
+        timeout --signal=INT --kill-after=20 "$limit" "$@" >"$file" 2>&1 || code=$?
+    fi
+    names+=("$name")
+    codes+=("$code")
+    secs+=($((SECONDS - t0)))
+    files+=("${file#"$outdir"/}")
+}
+
+# -- b. set up --------------------------------------------------------------------------------------
+setup() {
+    set -x
+    if [ -z "${PYTHON:-}" ] && [ ! -x .venv/bin/python ]; then
+        if [ -n "$probe" ]; then
+            # Keep the image's CUDA torch: a venv over python3's packages, the project without deps.
+            # If no venv can be made, the project goes into python3 itself.
+            if python3 -m venv --system-site-packages --without-pip .venv; then
+                purelib=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+                python3 -c 'import site; print("\n".join(site.getsitepackages()))' >"$purelib/_base_python.pth"
+                py=.venv/bin/python
+            else
+                rm -rf .venv
+            fi
+            "$py" -m pip install -q --no-deps --no-build-isolation -e .
+        else
+            python3 -m venv .venv
+            .venv/bin/python -m pip install -q -e '.[test]'
+            py=.venv/bin/python
+        fi
+    fi
+    if [ -d .whl ] && compgen -G '.whl/*.whl' >/dev/null; then
+        "$py" -m pip install -q --no-index --no-deps .whl/*.whl
+    fi
+    if ! "$py" -c 'import rope_dedup' 2>/dev/null; then
+        "$py" -m pip install -q --no-deps --no-build-isolation -e .
+    fi
+    "$py" -c '
+import importlib.util, torch
+assert torch.cuda.is_available(), f"torch {torch.__version__} no longer sees CUDA after the install"
+wanted = ("pytest", "expecttest", "hypothesis", "rich", "matplotlib", "safetensors", "transformers", "esm",
+          "rotary_embedding_torch")
+missing = [m for m in wanted if importlib.util.find_spec(m) is None]
+print("test packages missing (their tests fail or skip):", ", ".join(missing) or "none")
+'
+    set +x
+    echo "$py" >"$chosen"
+}
+chosen=$(mktemp)
+trap 'rm -f "$chosen"' EXIT
+code=0
+(setup) >"$outdir/setup.txt" 2>&1 || code=$?
+if [ "$code" -ne 0 ]; then
+    say "setup failed (exit $code), see $outdir/setup.txt; nothing else was run"
+    tail -n 5 "$outdir/setup.txt" >&2
+    exit 2
+fi
+py=$(cat "$chosen")
+{
+    echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
+    echo "python: $py ($("$py" -c 'import sys; print(sys.version.split()[0])'))"
+    "$py" -c 'import torch
+print("torch:", torch.__version__)
+print("torch.version.cuda:", torch.version.cuda)
+print("device:", torch.cuda.get_device_name())
+print("device count:", torch.cuda.device_count())'
+    echo "git: $(git rev-parse HEAD 2>/dev/null || echo none)$(git diff --quiet HEAD 2>/dev/null || echo ' (plus uncommitted changes)')"
+    echo "cpus: $(nproc)"
+    grep -v '^+' "$outdir/setup.txt" | grep -v '^[[:space:]]*$' || true
+    echo
+    timeout 30 nvidia-smi || echo "nvidia-smi failed"
+} >"$outdir/env.txt" 2>&1
+say "setup done: $py, $(sed -n 's/^torch: //p' "$outdir/env.txt"), $(sed -n 's/^device: //p' "$outdir/env.txt")"
+export PYTHONUNBUFFERED=1
+
+# -- c. fast test suite -----------------------------------------------------------------------------
+# --continue-on-collection-errors: a test module whose package the image lacks must not hide the rest.
+if [ -n "${PYTEST_ARGS:-}" ]; then
+    read -r -a pytest_args <<<"$PYTEST_ARGS"
+else
+    pytest_args=(-q -p no:cacheprovider --continue-on-collection-errors --ignore=tests/test_cuda_checks.py)
+fi
+run_step pytest 300 $((RESERVE_PROFILE + RESERVE_GRAPHS)) "$outdir/pytest.txt" \
+    "$py" -m pytest "${pytest_args[@]}"
+
+# -- d. memory profile, titan-128k on CUDA ----------------------------------------------------------
+# Four modes (eager, compile, rope_dedup, regional), each in a fresh process; --timeout per mode is a
+# quarter of the step's limit less a margin, so a mode that hangs cannot take the other modes' time.
+left=$((budget - (SECONDS - started) - RESERVE_GRAPHS))
+limit=$((left < RESERVE_PROFILE + 60 ? left : RESERVE_PROFILE + 60))
+per_mode=$(((limit - 20) / 4))
+if [ "$per_mode" -lt 10 ]; then per_mode=10; fi
+p=$outdir/profile-titan-128k-cuda
+run_step profile "$limit" 0 "$p.txt" \
+    "$py" -m rope_dedup profile --preset titan-128k --device cuda --timeout "$per_mode" \
+    --json "$p.json" --plot "$p.png"
+
+# -- e. CUDA graphs with and without rope_dedup -----------------------------------------------------
+run_step cuda_graphs "$RESERVE_GRAPHS" 0 "$outdir/cuda_graphs.txt" \
+    "$py" scripts/cuda_graphs_check.py --json "$outdir/cuda_graphs.json"
+
+# -- f. summary -------------------------------------------------------------------------------------
+failed=0
+for c in "${codes[@]}"; do
+    if [ "$c" -ne 0 ]; then failed=1; fi
+done
+{
+    printf '%-12s %5s %6s  %s\n' step exit secs output
+    for i in "${!names[@]}"; do
+        printf '%-12s %5s %6s  %s\n' "${names[$i]}" "${codes[$i]}" "${secs[$i]}" "${files[$i]}"
+    done
+    echo "total $((SECONDS - started))s of a ${budget}s budget; profile --timeout ${per_mode}s per mode; in $outdir"
+    grep -v '^[[:space:]]*$' "$outdir/pytest.txt" | tail -n 1 | sed 's/^/pytest: /' || true
+    grep -E '^(OK|FAILED|[0-9]+ check)' "$outdir/cuda_graphs.txt" | sed 's/^/cuda_graphs: /' || true
+} | tee "$outdir/summary.txt"
+exit "$failed"

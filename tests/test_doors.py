@@ -1,0 +1,202 @@
+"""Every way in: the backend by name with no import, mode/options from torch.compile, the config object,
+freezing, and the report a user reads first. Each test here failed before the door was opened."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch._inductor.compile_fx
+from torch._dynamo.utils import counters
+
+import rope_dedup
+from rope_dedup import RopeDedupBackend, RopeDedupConfig
+from rope_dedup.toy_decoder import ToyDecoder, homogeneous, local_global, rope_tensors, unique_storages
+
+TOKENS = torch.randint(0, 64, (1, 8), generator=torch.Generator().manual_seed(0))
+
+# A model written inline so the child process imports nothing of rope_dedup's.
+TWO_ROPES = textwrap.dedent("""
+    import sys, torch
+
+    class Rope(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            inv = 1.0 / 10000 ** (torch.arange(0, 16, 2, dtype=torch.float32) / 16)
+            angles = torch.outer(torch.arange(64, dtype=torch.float32), inv)
+            self.register_buffer("cos", angles.cos(), persistent=False)
+            self.register_buffer("sin", angles.sin(), persistent=False)
+
+        def forward(self, x):
+            return x * self.cos[: x.shape[0]] + self.sin[: x.shape[0]]
+
+    model = torch.nn.Sequential(Rope(), Rope())
+""")
+
+
+def run_child(code: str) -> str:
+    child = subprocess.run([sys.executable, "-c", TWO_ROPES + textwrap.dedent(code)], capture_output=True,
+                           text=True, timeout=300)
+    assert child.returncode == 0, child.stderr[-3000:]
+    return child.stdout
+
+
+def rope_storages(model: torch.nn.Module) -> int:
+    return unique_storages([t for _, t in rope_tensors(model)])[0]
+
+
+def test_backend_name_works_in_a_process_that_never_imported_rope_dedup() -> None:
+    out = run_child("""
+        x = torch.ones(8, 8)
+        out = torch.compile(model, backend="rope_dedup", options={"inner": "eager"})(x)
+        torch.testing.assert_close(out, model(x), rtol=0, atol=0)
+        print(model[0].cos.data_ptr() == model[1].cos.data_ptr(), "rope_dedup.backend" in sys.modules)
+    """)
+    assert out.split() == ["True", "True"]  # shared; the entry point imported the backend on lookup
+
+
+def test_backend_name_works_after_import_and_without_the_entry_point() -> None:
+    """Both registration paths: an installed entry point (import first, then the name: no duplicate
+    assertion) and a source tree without installed metadata (registered at import)."""
+    for hide_entry_point in (False, True):
+        out = run_child(f"""
+            import importlib.metadata as metadata
+            if {hide_entry_point}:
+                everything = metadata.entry_points
+                metadata.entry_points = lambda **kw: (
+                    metadata.EntryPoints(()) if kw.get("group") == "torch_dynamo_backends" else everything(**kw))
+            import rope_dedup
+            torch.compile(model, backend="rope_dedup", options={{"inner": "eager"}})(torch.ones(8, 8))
+            print(model[0].cos.data_ptr() == model[1].cos.data_ptr(), len(rope_dedup.rope_dedup_backend.report.groups))
+        """)
+        assert out.split() == ["True", "2"], hide_entry_point
+
+
+@pytest.fixture
+def inductor_patches(monkeypatch):
+    """The config patches each inductor compile gets; the graph then runs as it is (no real compile)."""
+    seen: list[dict] = []
+
+    def record(gm, example_inputs, config_patches=None, **kwargs):
+        seen.append(dict(config_patches or {}))
+        return gm.forward
+
+    monkeypatch.setattr(torch._inductor.compile_fx, "compile_fx", record)
+    return seen
+
+
+@pytest.mark.parametrize("how", [
+    {"mode": "max-autotune-no-cudagraphs"}, {"mode": "reduce-overhead"}, {"mode": "max-autotune"},
+    {"options": {"epilogue_fusion": False, "max_autotune": True}}, {}])
+def test_mode_and_options_reach_inductor_as_torch_compile_passes_them(how, inductor_patches) -> None:
+    torch.compile(ToyDecoder(homogeneous(2)), **how)(TOKENS)
+    alone = inductor_patches[:]
+    inductor_patches.clear()
+    torch._dynamo.reset()
+    model = ToyDecoder(homogeneous(2))
+    backend = RopeDedupBackend()
+    options = dict(how.get("options") or {})  # torch.compile may consume its options dict
+    torch.compile(model, backend=backend, mode=how.get("mode"), options=options or None)(TOKENS)
+    assert inductor_patches == alone and len(alone) == 1
+    assert rope_storages(model) == 2
+
+
+def test_rope_dedup_options_through_torch_compile_options(inductor_patches) -> None:
+    model = ToyDecoder(homogeneous(3))
+    backend = RopeDedupBackend()
+    torch.compile(model, backend=backend,
+                  options={"dry_run": True, "inner": "inductor", "epilogue_fusion": False})(TOKENS)
+    assert inductor_patches == [{"epilogue_fusion": False}]
+    assert rope_storages(model) == 6  # dry run: nothing aliased
+    assert [len(g.members) for g in backend.report.groups] == [3, 3]  # but reported
+    assert backend.store.snapshot() == []  # the backend's own (sharing) store is untouched
+
+    torch._dynamo.reset()
+    model = ToyDecoder(homogeneous(3))
+    torch.compile(model, backend="rope_dedup", options={"inner": "eager", "share_persistent": True})(TOKENS)
+    assert inductor_patches == [{"epilogue_fusion": False}]  # eager inner: inductor not called again
+    assert rope_storages(model) == 2
+
+
+def test_mode_and_options_together_get_torch_s_own_error() -> None:
+    with pytest.raises(RuntimeError, match="Either mode or options can be specified"):
+        torch.compile(ToyDecoder(homogeneous(1)), backend=RopeDedupBackend(), mode="max-autotune",
+                      options={"dry_run": True})
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    ({"inner": "no_such_backend"}, ValueError, r"unknown inner backend 'no_such_backend': choose one of .*aot_eager"),
+    ({"inner": 42}, TypeError, "inner must be a backend name or a backend callable, got int"),
+    ({"inner": "rope_dedup"}, ValueError, "unknown inner backend 'rope_dedup'"),
+    ({"dry_run": "yes"}, TypeError, "dry_run must be True or False"),
+    ({"fold_constants": 1}, TypeError, "fold_constants must be True, False or None"),
+    ({"inner_options": {"no_such_option": 1}}, ValueError,
+     r"unknown option\(s\) 'no_such_option': rope_dedup's options are inner, mode, inner_options, share_persistent"),
+    ({"inner": "eager", "mode": "max-autotune"}, ValueError, "'eager', which takes no mode or options"),
+    ({"mode": "fastest"}, RuntimeError, "Unrecognized mode=fastest"),
+])
+def test_bad_settings_fail_at_construction(kwargs, error, message) -> None:
+    with pytest.raises(error, match=message):
+        RopeDedupConfig(**kwargs)
+    with pytest.raises(error, match=message):
+        RopeDedupBackend(**kwargs)
+
+
+def test_unknown_keyword_lists_the_options() -> None:
+    with pytest.raises(TypeError, match="unknown option.s. share_persistant: RopeDedupBackend takes inner, mode"):
+        RopeDedupBackend(share_persistant=True)
+
+
+def test_unknown_option_through_torch_compile_names_it_at_the_first_compile() -> None:
+    with pytest.raises(Exception, match="unknown option.s. 'share_persistant'"):
+        torch.compile(ToyDecoder(homogeneous(1)), backend=RopeDedupBackend(),
+                      options={"share_persistant": True})(TOKENS)
+
+
+def test_config_object_and_defaults_per_inner() -> None:
+    config = RopeDedupConfig(inner="aot_eager", dry_run=True)
+    backend = RopeDedupBackend(config=config)
+    assert backend.config is config and backend.inner == "aot_eager" and backend.store.dry_run
+    assert config.computed_table_transforms() == (True, True)
+    assert RopeDedupConfig().computed_table_transforms() == (False, False)
+    with pytest.raises(TypeError, match="either config= or the options"):
+        RopeDedupBackend(config=config, strict=True)
+    with pytest.raises(Exception):  # frozen
+        config.dry_run = False
+
+
+@pytest.mark.parametrize("setting", ["freezing", "install_free_tensors"])
+def test_freezing_reaches_the_ideal_with_equal_outputs(setting: str) -> None:
+    """Under freezing, state reaches the backend as get_attr nodes that dynamo registered as persistent
+    buffers; the source dynamo recorded says they are the model's non-persistent tables."""
+    patch = ({"freezing": True}, {}) if setting == "freezing" else ({}, {"install_free_tensors": True})
+    specs = local_global(4, every=2)
+    outputs = []
+    for backend in ("inductor", RopeDedupBackend("inductor")):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = ToyDecoder(specs).eval()
+        with torch._inductor.config.patch(patch[0]), torch._dynamo.config.patch(patch[1]), torch.no_grad():
+            compiled = torch.compile(model, backend=backend)
+            outputs.append([compiled(TOKENS), compiled(TOKENS + 1)])
+    for got, want in zip(*outputs):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert rope_storages(model) == 4  # two thetas x cos/sin
+    report = backend.report
+    assert sorted(len(g.members) for g in report.groups) == [2, 2, 2, 2]
+    assert not [s for s in report.skipped if "rope" in s.path]
+    assert counters["rope_dedup"]["graphs"] == 1
+
+
+def test_report_counts_trainable_parameters_in_one_line() -> None:
+    model = ToyDecoder(homogeneous(3))
+    backend = RopeDedupBackend("eager")
+    torch.compile(model, backend=backend)(TOKENS)
+    text = str(backend.report)
+    trainable = sum(1 for p in model.parameters() if p.requires_grad)
+    assert f"  {trainable} trainable parameter(s) (requires grad): never shared, not listed" in text
+    assert "embed.weight" not in text and "qkv.weight" not in text
+    assert len(backend.report.skipped) == trainable  # the object still has every skip
