@@ -8,7 +8,7 @@ command runs. Bad input ends in one line on stderr and a non-zero exit: 2 for wh
 from __future__ import annotations
 
 import argparse
-import importlib.util
+import contextlib
 import json
 import os
 import sys
@@ -19,6 +19,7 @@ from typing import Any, NoReturn, Sequence
 import torch
 
 from rope_dedup import profile as prof
+from rope_dedup.factories import FactoryError, load_factory, model_and_inputs
 from rope_dedup.report import format_bytes
 
 USAGE_ERROR, RUN_ERROR = 2, 1
@@ -55,9 +56,19 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     p = commands.add_parser(
         "profile", help="compare memory and time: eager, torch.compile, rope_dedup (each in a fresh process)",
-        description="Build a toy decoder whose attention layers each own a RoPE table and compare eager, "
-                    "torch.compile with the inner backend alone, and with rope_dedup, each in a fresh process. "
-                    "Options override the preset.")
+        description="Profile MODULE:FACTORY's model (FACTORY() returns (model, example_inputs), as for audit), "
+                    "or by default a toy decoder whose attention layers each own a RoPE table: eager, "
+                    "torch.compile with the inner backend alone, with rope_dedup, and regional compile (each "
+                    "block of a ModuleList compiled on its own), each in a fresh process. Toy options override "
+                    "the preset.")
+    p.add_argument("factory", metavar="MODULE:FACTORY", nargs="?",
+                   help="your model, e.g. my_pkg.models:build or path/to/model.py:build (default: the toy decoder)")
+    p.add_argument("--regional", metavar="PATH",
+                   help="the ModuleList whose blocks regional mode compiles (e.g. model.layers); adds the "
+                        "regional mode (toy decoder: layers)")
+    p.add_argument("--train", action="store_true",
+                   help="a step is forward, backward and an AdamW step (peak memory includes grads and "
+                        "optimizer state); the default step is a no-grad forward")
     p.add_argument("--preset", choices=sorted(prof.PRESETS), default="default",
                    help="starting configuration (default: %(default)s): " + "; ".join(
                        f"{name}: {prof.describe_preset(config)}" for name, config in prof.PRESETS.items()))
@@ -66,7 +77,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--head-dim", type=_positive_int, help="head dimension (the rotary dim)")
     p.add_argument("--heads", type=_positive_int, help="attention heads")
     p.add_argument("--dtype", choices=sorted(prof.DTYPES), help="table dtype")
-    p.add_argument("--layout", choices=_layouts(), help="how each layer stores its table")
+    p.add_argument("--layout", choices=prof.profile_layouts(), help="how each layer stores its table")
     p.add_argument("--pattern", choices=prof.PATTERNS, help="same table everywhere, or Gemma-style local/global")
     p.add_argument("--device", choices=("cpu", "cuda"), help="where the model runs")
     p.add_argument("--inner", choices=prof.INNERS, help="backend compared with, and used under rope_dedup")
@@ -103,13 +114,6 @@ def _modes(text: str) -> tuple[str, ...]:
         raise argparse.ArgumentTypeError(f"unknown mode(s) {', '.join(unknown) or '(none)'}; "
                                          f"choose from {', '.join(prof.MODES)}")
     return modes
-
-
-def _layouts() -> tuple[str, ...] | None:
-    try:
-        return prof.profile_layouts()
-    except FileNotFoundError:  # installed without the examples: `profile` reports it when it runs
-        return None
 
 
 def _consoles():
@@ -153,22 +157,35 @@ def _profile(args: argparse.Namespace, console, error_console) -> int:
     return RUN_ERROR if failed else 0
 
 
+_TOY_OPTIONS = ("preset", "layers", "context", "head_dim", "heads", "dtype", "layout", "pattern", "seq", "batch")
+
+
 def _profile_config(args: argparse.Namespace) -> prof.ProfileConfig:
-    try:
+    common = dict(device=args.device, inner=args.inner, modes=args.modes, steps=args.steps,
+                  step_seconds=args.step_seconds, threads=args.threads, regional=args.regional,
+                  train=args.train or None)
+    if args.factory is not None:
+        toy_only = [f"--{name.replace('_', '-')}" for name in _TOY_OPTIONS
+                    if getattr(args, name) is not None and not (name == "preset" and args.preset == "default")]
+        if toy_only:
+            raise BadInput(f"{', '.join(toy_only)} describe the toy decoder, not {args.factory}")
+        with _bad_factory():
+            load_factory(args.factory)  # importable here; each mode's process calls it
+        config = prof.apply_overrides(prof.ProfileConfig(factory=args.factory), **common)
+    else:
+        config = prof.apply_overrides(
+            prof.PRESETS[args.preset], layers=args.layers, context=args.context, head_dim=args.head_dim,
+            heads=args.heads, dtype=args.dtype, layout=args.layout, pattern=args.pattern, seq=args.seq,
+            batch=args.batch, **common)
         layouts = prof.profile_layouts()
-    except FileNotFoundError as error:
-        raise BadInput(str(error)) from None
-    config = prof.apply_overrides(
-        prof.PRESETS[args.preset], layers=args.layers, context=args.context, head_dim=args.head_dim,
-        heads=args.heads, dtype=args.dtype, layout=args.layout, pattern=args.pattern, device=args.device,
-        inner=args.inner, modes=args.modes, steps=args.steps, step_seconds=args.step_seconds, seq=args.seq,
-        batch=args.batch, threads=args.threads)
-    if config.layout not in layouts:
-        raise BadInput(f"unknown layout {config.layout!r}; choose from {', '.join(layouts)}")
-    if config.head_dim % 2:
-        raise BadInput(f"--head-dim must be even (rotary pairs), got {config.head_dim}")
-    if config.seq > config.context:
-        raise BadInput(f"--seq {config.seq} exceeds the table length --context {config.context}")
+        if config.layout not in layouts:
+            raise BadInput(f"unknown layout {config.layout!r}; choose from {', '.join(layouts)}")
+        if config.head_dim % 2:
+            raise BadInput(f"--head-dim must be even (rotary pairs), got {config.head_dim}")
+        if config.seq > config.context:
+            raise BadInput(f"--seq {config.seq} exceeds the table length --context {config.context}")
+    if args.regional is not None and "regional" not in config.modes:
+        config = prof.apply_overrides(config, modes=(*config.modes, "regional"))
     if config.device == "cuda" and not torch.cuda.is_available():
         raise BadInput(f"--device cuda asked for, but CUDA is not available to this torch ({torch.__version__})")
     return config
@@ -288,13 +305,15 @@ def _bytes_or_dash(value: int | None) -> str:
 def _audit(args: argparse.Namespace, console) -> int:
     from rope_dedup.explain import explain
 
-    factory = load_factory(args.factory)
+    with _bad_factory():
+        factory = load_factory(args.factory)
     try:
         built = factory()
     except Exception as error:
         print(f"rope-dedup audit: error: {args.factory}() raised {prof.describe_error(error)[0]}", file=sys.stderr)
         return RUN_ERROR
-    model, inputs = _model_and_inputs(built, args.factory)
+    with _bad_factory():
+        model, inputs = model_and_inputs(built, args.factory)
     try:
         explanation = explain(model, *inputs)
     except Exception as error:
@@ -304,44 +323,13 @@ def _audit(args: argparse.Namespace, console) -> int:
     return 0
 
 
-def load_factory(spec: str):
-    """``MODULE:FACTORY`` -> the callable; MODULE is a dotted name (found from the current folder, as with
-    ``python -m``) or a ``.py`` path (its folder goes first on ``sys.path``, as with ``python path.py``)."""
-    module_name, colon, attribute = spec.rpartition(":")
-    if not colon or not module_name or not attribute:
-        raise BadInput(f"expected MODULE:FACTORY (e.g. examples/audit.py:build), got {spec!r}")
+@contextlib.contextmanager
+def _bad_factory():
+    """A factory that cannot be found, or gives no model and inputs, is bad input (exit 2)."""
     try:
-        if module_name.endswith(".py") or os.sep in module_name:
-            module = _import_file(Path(module_name))
-        else:
-            sys.path.insert(0, os.getcwd())
-            module = importlib.import_module(module_name)
-    except BadInput:
-        raise
-    except (Exception, SystemExit) as error:  # a script's argparse exiting at import counts too
-        raise BadInput(f"cannot import {module_name}: {prof.describe_error(error)[0]}") from None
-    factory = getattr(module, attribute, None)
-    if not callable(factory):
-        raise BadInput(f"{module_name} has no callable {attribute!r}")
-    return factory
-
-
-def _import_file(path: Path):
-    if not path.is_file():
-        raise BadInput(f"no such file: {path}")
-    sys.path.insert(0, str(path.resolve().parent))
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[path.stem] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-def _model_and_inputs(built: Any, spec: str) -> tuple[torch.nn.Module, tuple]:
-    if isinstance(built, tuple) and len(built) == 2 and isinstance(built[0], torch.nn.Module):
-        model, inputs = built
-        return model, (inputs if isinstance(inputs, (tuple, list)) else (inputs,))
-    raise BadInput(f"{spec}() returned {type(built).__name__}; expected (model, example_inputs)")
+        yield
+    except FactoryError as error:
+        raise BadInput(str(error)) from None
 
 
 def _print_explanation(explanation, console) -> None:

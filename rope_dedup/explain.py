@@ -7,6 +7,7 @@ others use 1e4, or that a theta they configured never reached the tables.
 
 from __future__ import annotations
 
+import linecache
 import logging
 from collections import Counter
 from dataclasses import dataclass, fields
@@ -138,7 +139,12 @@ def _fresh_caller(model: torch.nn.Module, arity: int, keywords: list[str]) -> Ca
               f"        return model({call})\n"
               f"    return audit_forward\n")
     namespace: dict[str, Any] = {}
-    exec(compile(source, "<rope_dedup.explain>", "exec"), namespace)
+    # torch 2.12 and older wrap a callable whose source file inspect cannot find and trace the wrapper,
+    # which hides the model's sources (persistence unreadable) and shares one code object across audits.
+    # A linecache entry makes the generated source findable, so every torch treats it as a function.
+    filename = "<rope_dedup.explain>"
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    exec(compile(source, filename, "exec"), namespace)
     return namespace["bind"](model)
 
 

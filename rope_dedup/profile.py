@@ -35,6 +35,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from rope_dedup import toy_decoder as toy
+from rope_dedup.factories import build as build_from_factory, one_line
 from rope_dedup.tensors import same_values
 
 MODES = ("eager", "compile", "rope_dedup", "regional")
@@ -63,6 +64,9 @@ class ProfileConfig:
     steps: int = 20
     step_seconds: float = 1.0  # and stepping lasts at least this long: sub-ms steps need a window wider than a load burst
     threads: int = 1  # one intra-op thread: step times on a shared 2-core machine stay comparable
+    factory: str | None = None  # MODULE:FACTORY returning (model, example_inputs); None: the toy decoder above
+    regional: str = "layers"  # the ModuleList whose blocks the regional mode compiles one by one
+    train: bool = False  # a step is forward, backward and an AdamW step instead of a no-grad forward
 
 
 PRESETS = {
@@ -111,8 +115,8 @@ class _Capture:
         self.backend = backend
         self.compiled: list[tuple[Callable, list]] = []
 
-    def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence) -> Callable:
-        compiled = self.backend(gm, example_inputs)
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence, **compile_kwargs: Any) -> Callable:
+        compiled = self.backend(gm, example_inputs, **compile_kwargs)
         self.compiled.append((compiled, list(example_inputs)))
         return compiled
 
@@ -163,21 +167,76 @@ def _state_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
     return tensors
 
 
-def _prepare(mode: str, model: torch.nn.Module, inner: str) -> tuple[Callable, Any, _Capture | None]:
+def _prepare(mode: str, model: torch.nn.Module, config: ProfileConfig) -> tuple[Callable, Any, _Capture | None]:
     """(what to call, the rope_dedup backend or None, the capturing wrapper or None) for ``mode``."""
     from rope_dedup.backend import RopeDedupBackend
 
     if mode == "eager":
         return model, None, None
     if mode == "compile":
-        return torch.compile(model, backend=inner), None, None
-    backend = RopeDedupBackend(inner=inner)
+        return torch.compile(model, backend=config.inner), None, None
+    backend = RopeDedupBackend(inner=config.inner)
     capture = _Capture(backend)
     if mode == "rope_dedup":
         return torch.compile(model, backend=capture), backend, capture
-    for i, block in enumerate(model.layers):  # regional compile, as torchtitan does it
-        model.layers[i] = torch.compile(block, backend=capture)
+    blocks = regional_blocks(model, config.regional)
+    for i, block in enumerate(blocks):  # regional compile, as torchtitan does it
+        blocks[i] = torch.compile(block, backend=capture)
     return model, backend, capture
+
+
+def regional_blocks(model: torch.nn.Module, path: str) -> torch.nn.ModuleList:
+    """The ModuleList at ``path`` (``layers``, ``model.layers``) whose blocks regional mode compiles."""
+    try:
+        blocks = model.get_submodule(path)
+    except AttributeError:
+        raise ValueError(f"--regional {path}: {type(model).__name__} has no submodule {path!r}") from None
+    if not isinstance(blocks, torch.nn.ModuleList):
+        raise ValueError(f"--regional {path}: {type(blocks).__name__} is not a torch.nn.ModuleList of blocks")
+    return blocks
+
+
+def build_inputs(config: ProfileConfig) -> tuple[torch.nn.Module, tuple, list[torch.Tensor]]:
+    """(model in eval mode on its device, example inputs, its RoPE tables) for ``config``.
+
+    Training steps also run in eval mode: dropout would make the modes' outputs differ for no reason.
+    """
+    torch.manual_seed(0)
+    if config.factory is None:
+        model = build_model(config)
+        tokens = torch.randint(0, _VOCAB, (config.batch, config.seq), device=config.device)
+        return model, (tokens,), [t for _, t in toy.rope_tensors(model)]
+    model, inputs = build_from_factory(config.factory)
+    model = model.to(config.device).eval()
+    inputs = tuple(x.to(config.device) if isinstance(x, torch.Tensor) else x for x in inputs)
+    return model, inputs, rope_tables(model)
+
+
+def rope_tables(model: torch.nn.Module) -> list[torch.Tensor]:
+    """A user model's RoPE tables, recognized from content (names are not used) among its buffers and
+    plain tensor attributes. The ideal is then exact-equality groups of these, as for the toy decoder."""
+    from rope_dedup.recognize import RopeTable, recognize_rope_table
+
+    unique = {id(t): t for t in _state_tensors(model)}.values()
+    return [t for t in unique if t.is_floating_point() or t.is_complex()
+            if isinstance(recognize_rope_table(t.detach()), RopeTable)]
+
+
+def first_tensor(output: Any) -> torch.Tensor:
+    """The tensor a model's output leads with (HF ``ModelOutput``s and tuples included)."""
+    if isinstance(output, torch.Tensor):
+        return output
+    values = output.values() if isinstance(output, dict) else output if isinstance(output, (tuple, list)) else ()
+    for value in values:
+        if isinstance(value, torch.Tensor) and value.is_floating_point():
+            return value
+    raise TypeError(f"the model returned {type(output).__name__} with no floating-point tensor to compare or train on")
+
+
+def training_loss(output: Any) -> torch.Tensor:
+    """The model's own loss when it returns one (HF with labels), else the mean square of its first output."""
+    loss = getattr(output, "loss", None)
+    return loss if isinstance(loss, torch.Tensor) else first_tensor(output).float().square().mean()
 
 
 def _interning_cost(capture: _Capture, step: Callable[[], Any]) -> tuple[float, int] | None:
@@ -217,25 +276,33 @@ def measure(config: ProfileConfig, mode: str) -> dict[str, Any]:
     torch.set_num_threads(config.threads)
     cuda = config.device == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    torch.manual_seed(0)
-    model = build_model(config)
-    tokens = torch.randint(0, _VOCAB, (config.batch, config.seq), device=config.device)
-    tables = [t for _, t in toy.rope_tensors(model)]
+    model, inputs, tables = build_inputs(config)
     ideal_count, ideal_bytes = ideal_storage(tables)
     before_count, before_bytes = toy.unique_storages(tables)
     with torch.no_grad():
-        reference = model(tokens)
+        reference = model(*inputs)
+        reference = training_loss(reference) if config.train else first_tensor(reference)
     _simulated_oom(mode, config.device)
     peaks = _Peaks(cuda)
     peaks.end_phase("build")
 
-    run, backend, capture = _prepare(mode, model, config.inner)
+    run, backend, capture = _prepare(mode, model, config)
+    if config.train:
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
 
-    def step() -> torch.Tensor:
-        with torch.no_grad():
-            out = run(tokens)
-        sync()
-        return out
+        def step() -> torch.Tensor:
+            loss = training_loss(run(*inputs))
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            sync()
+            return loss.detach()
+    else:
+        def step() -> torch.Tensor:
+            with torch.no_grad():
+                out = first_tensor(run(*inputs))
+            sync()
+            return out
 
     started = time.perf_counter()
     out = step()
@@ -273,6 +340,7 @@ def measure(config: ProfileConfig, mode: str) -> dict[str, Any]:
         "step_s": step_median,
         "step_s_min": min(times),
         "step_s_quartiles": [q1, q3],
+        # Training: the first step's loss (parameters not yet updated) against eager's.
         "max_abs_err_vs_eager": float((out.float() - reference.float()).abs().max()),
         "graphs": backend.graphs_compiled if backend is not None else None,
         "pass_s": backend.pass_seconds if backend is not None else None,
@@ -291,7 +359,7 @@ def describe_error(error: BaseException) -> tuple[str, bool]:
            or "can't allocate memory" in text or "out of memory" in text.lower())
     if oom:
         return f"out of memory: {text or type(error).__name__}", True
-    return f"{type(error).__name__}: {text}" if text else type(error).__name__, False
+    return one_line(error), False
 
 
 def _child_main(argv: list[str]) -> int:
@@ -417,10 +485,16 @@ def mode_label(mode: str, inner: str) -> str:
 
 def describe_config(config: dict[str, Any]) -> str:
     """One line naming the profiled model and how it ran (``config`` as in the result: a dict)."""
+    steps = (f"{'training (forward, backward, AdamW) ' if config.get('train') else ''}step median of "
+             f">= {config['steps']} steps and >= {config['step_seconds']:g} s")
+    if config.get("factory"):
+        regional = f", regional blocks {config['regional']}" if "regional" in config["modes"] else ""
+        return (f"{config['factory']}(){regional}, {config['device']}, {config['threads']} thread(s); "
+                f"step = the factory's inputs, {steps}")
     return (f"toy decoder: {config['layers']} layers, context {config['context']}, head_dim {config['head_dim']}, "
             f"{config['heads']} heads, {config['dtype']} {config['layout']} tables ({config['pattern']}), "
             f"{config['device']}, {config['threads']} thread(s); step = batch {config['batch']} x {config['seq']} "
-            f"tokens, median of >= {config['steps']} steps and >= {config['step_seconds']:g} s")
+            f"tokens, {steps}")
 
 
 def describe_preset(config: ProfileConfig) -> str:

@@ -8,14 +8,17 @@
 #   scripts/cuda_checks.sh                  # writes to ${OUT:-out/cuda}
 #   scripts/cuda_checks.sh /tmp/cuda-run
 #
-# Steps (files under OUTDIR):
+# Steps (files under OUTDIR), in this order:
 #   a. torch must see a CUDA device, else exit 2: "no CUDA device visible to torch X.Y ...; nothing was run".
-#   b. set up (setup.txt) and record the machine (env.txt: nvidia-smi, torch, torch.version.cuda, device).
-#   c. the fast test suite, CUDA tests included (pytest.txt). tests/test_cuda_checks.py is left out
-#      there: its CUDA test runs step e's script, which step e runs anyway.
+#   b. set up (setup.txt) and record the machine (env.txt: torch, torch.version.cuda, device, nvidia-smi).
+#   c. the tests that use CUDA (skipped on CPU; pytest -k 'cuda or device', pytest-cuda.txt).
 #   d. rope-dedup profile --preset titan-128k --device cuda (profile-titan-128k-cuda.{txt,json,png}).
 #   e. scripts/cuda_graphs_check.py: CUDA graphs (mode reduce-overhead) with and without rope_dedup,
 #      whole model and per block (cuda_graphs.{txt,json}).
+#   c'. the rest of the fast test suite (pytest.txt) in the time left: it takes far longer than the
+#      budget on a few cores, so it runs last, in parallel where pytest-xdist is installed, and is cut
+#      off (SIGINT: pytest still prints its summary) when the budget is spent.
+#      tests/test_cuda_checks.py is left out: its CUDA test runs step e's script, which e runs anyway.
 #   f. a summary of exit codes (also summary.txt); exit 1 if any step failed, else 0.
 #
 # Python: $PYTHON if set, else .venv/bin/python if .venv exists, else python3. When .venv is missing,
@@ -30,8 +33,8 @@
 # If .venv exists but its torch has no CUDA, step a stops: remove .venv or set PYTHON.
 #
 # Each step runs under `timeout` with what is left of the budget, minus what the later steps are
-# guaranteed (RESERVE_* below); a step gets SIGINT first, so a cut-off pytest still prints its summary.
-# PYTEST_ARGS replaces the default pytest arguments.
+# guaranteed (RESERVE_* below), SIGINT first. PYTEST_ARGS replaces the arguments of step c';
+# PYTEST_WORKERS (default 8, 0: serial) is pytest-xdist's -n there when xdist is installed.
 set -euo pipefail
 
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -41,9 +44,10 @@ cd "$repo"
 
 budget=${CUDA_CHECKS_BUDGET_S:-540}
 started=$SECONDS
-# Seconds kept back for the later steps, so an overrunning step cannot starve them.
+# Seconds kept back for steps d and e, so that the steps before them cannot starve them (step c'
+# gets only what is left).
 RESERVE_PROFILE=270
-RESERVE_GRAPHS=110
+RESERVE_GRAPHS=150
 
 say() { echo "cuda_checks: $*" >&2; }
 
@@ -119,14 +123,20 @@ setup() {
     if ! "$py" -c 'import rope_dedup' 2>/dev/null; then
         "$py" -m pip install -q --no-deps --no-build-isolation -e .
     fi
-    "$py" -c '
-import importlib.util, torch
+    "$py" - "$outdir/env.txt" <<'PY'
+import importlib.util, sys, torch
 assert torch.cuda.is_available(), f"torch {torch.__version__} no longer sees CUDA after the install"
 wanted = ("pytest", "expecttest", "hypothesis", "rich", "matplotlib", "safetensors", "transformers", "esm",
-          "rotary_embedding_torch")
+          "rotary_embedding_torch", "xdist")
 missing = [m for m in wanted if importlib.util.find_spec(m) is None]
-print("test packages missing (their tests fail or skip):", ", ".join(missing) or "none")
-'
+with open(sys.argv[1], "w") as env:
+    print("python:", sys.executable, sys.version.split()[0], file=env)
+    print("torch:", torch.__version__, file=env)
+    print("torch.version.cuda:", torch.version.cuda, file=env)
+    print("device:", torch.cuda.get_device_name(), file=env)
+    print("device count:", torch.cuda.device_count(), file=env)
+    print("test packages missing:", ", ".join(missing) or "none", file=env)
+PY
     set +x
     echo "$py" >"$chosen"
 }
@@ -142,30 +152,21 @@ fi
 py=$(cat "$chosen")
 {
     echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
-    echo "python: $py ($("$py" -c 'import sys; print(sys.version.split()[0])'))"
-    "$py" -c 'import torch
-print("torch:", torch.__version__)
-print("torch.version.cuda:", torch.version.cuda)
-print("device:", torch.cuda.get_device_name())
-print("device count:", torch.cuda.device_count())'
     echo "git: $(git rev-parse HEAD 2>/dev/null || echo none)$(git diff --quiet HEAD 2>/dev/null || echo ' (plus uncommitted changes)')"
     echo "cpus: $(nproc)"
-    grep -v '^+' "$outdir/setup.txt" | grep -v '^[[:space:]]*$' || true
     echo
     timeout 30 nvidia-smi || echo "nvidia-smi failed"
-} >"$outdir/env.txt" 2>&1
+} >>"$outdir/env.txt" 2>&1
 say "setup done: $py, $(sed -n 's/^torch: //p' "$outdir/env.txt"), $(sed -n 's/^device: //p' "$outdir/env.txt")"
 export PYTHONUNBUFFERED=1
 
-# -- c. fast test suite -----------------------------------------------------------------------------
+# -- c. the tests that use CUDA ---------------------------------------------------------------------
+# Their names say so (test_device_moves_..., test_key_carries_the_device, ..._on_nccl, ...).
 # --continue-on-collection-errors: a test module whose package the image lacks must not hide the rest.
-if [ -n "${PYTEST_ARGS:-}" ]; then
-    read -r -a pytest_args <<<"$PYTEST_ARGS"
-else
-    pytest_args=(-q -p no:cacheprovider --continue-on-collection-errors --ignore=tests/test_cuda_checks.py)
-fi
-run_step pytest 300 $((RESERVE_PROFILE + RESERVE_GRAPHS)) "$outdir/pytest.txt" \
-    "$py" -m pytest "${pytest_args[@]}"
+cuda_tests="cuda or device"
+common_args=(-q -p no:cacheprovider --continue-on-collection-errors --ignore=tests/test_cuda_checks.py)
+run_step pytest-cuda 120 $((RESERVE_PROFILE + RESERVE_GRAPHS)) "$outdir/pytest-cuda.txt" \
+    "$py" -m pytest "${common_args[@]}" -rs -k "$cuda_tests"
 
 # -- d. memory profile, titan-128k on CUDA ----------------------------------------------------------
 # Four modes (eager, compile, rope_dedup, regional), each in a fresh process; --timeout per mode is a
@@ -183,6 +184,18 @@ run_step profile "$limit" 0 "$p.txt" \
 run_step cuda_graphs "$RESERVE_GRAPHS" 0 "$outdir/cuda_graphs.txt" \
     "$py" scripts/cuda_graphs_check.py --json "$outdir/cuda_graphs.json"
 
+# -- c'. the rest of the fast test suite, in the time left ------------------------------------------
+if [ -n "${PYTEST_ARGS:-}" ]; then
+    read -r -a pytest_args <<<"$PYTEST_ARGS"
+else
+    pytest_args=("${common_args[@]}" -k "not ($cuda_tests)")
+    workers=${PYTEST_WORKERS:-8}
+    if [ "$workers" != 0 ] && "$py" -c 'import xdist' 2>/dev/null; then
+        pytest_args+=(-n "$workers")
+    fi
+fi
+run_step pytest "$budget" 0 "$outdir/pytest.txt" "$py" -m pytest "${pytest_args[@]}"
+
 # -- f. summary -------------------------------------------------------------------------------------
 failed=0
 for c in "${codes[@]}"; do
@@ -193,8 +206,11 @@ done
     for i in "${!names[@]}"; do
         printf '%-12s %5s %6s  %s\n' "${names[$i]}" "${codes[$i]}" "${secs[$i]}" "${files[$i]}"
     done
-    echo "total $((SECONDS - started))s of a ${budget}s budget; profile --timeout ${per_mode}s per mode; in $outdir"
-    grep -v '^[[:space:]]*$' "$outdir/pytest.txt" | tail -n 1 | sed 's/^/pytest: /' || true
+    echo "exit 124: cut off at the step's time limit. Total $((SECONDS - started))s of a ${budget}s budget;" \
+         "profile --timeout ${per_mode}s per mode; files in $outdir"
+    for f in pytest-cuda pytest; do
+        grep -v '^[[:space:]]*$' "$outdir/$f.txt" | tail -n 1 | sed "s/^/$f: /" || true
+    done
     grep -E '^(OK|FAILED|[0-9]+ check)' "$outdir/cuda_graphs.txt" | sed 's/^/cuda_graphs: /' || true
 } | tee "$outdir/summary.txt"
 exit "$failed"

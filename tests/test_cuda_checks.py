@@ -65,8 +65,21 @@ def test_graphs_check_on_cpu(tmp_path) -> None:
 
 @pytest.mark.slow
 def test_graphs_check_on_cpu_inductor(tmp_path) -> None:
-    run_graphs_check(tmp_path, "--device", "cpu", "--mode", "default", "--layers", "2", "--context", "256",
-                     "--timed-steps", "5", timeout=600)
+    result = run_graphs_check(tmp_path, "--device", "cpu", "--mode", "default", "--layers", "2", "--context", "256",
+                              "--timed-steps", "5", timeout=600)
+    for style in result["styles"].values():
+        assert style["inductor_counters"]["rope_dedup"]["cudagraph_skips"] == 0
+
+
+@pytest.mark.slow
+def test_graphs_check_on_cpu_reduce_overhead(tmp_path) -> None:
+    """mode="reduce-overhead" reaches inductor through rope_dedup: on CPU inductor then skips CUDA graphs, once
+    per compiled graph, exactly as it does alone."""
+    result = run_graphs_check(tmp_path, "--device", "cpu", "--mode", "reduce-overhead", "--layers", "2",
+                              "--context", "256", "--timed-steps", "5", timeout=600)
+    for style in result["styles"].values():
+        skips = style["inductor_counters"]
+        assert skips["rope_dedup"]["cudagraph_skips"] == skips["inductor"]["cudagraph_skips"] >= 1
 
 
 def test_graphs_check_refuses_cuda_without_cuda(tmp_path) -> None:

@@ -1,0 +1,80 @@
+"""``MODULE:FACTORY``: how the command line reaches a user's model (``audit`` and ``profile``).
+
+A factory is a callable taking no arguments and returning ``(model, example_inputs)``; MODULE is a dotted
+name (found from the current folder, as with ``python -m``) or a path to a ``.py`` file (its folder goes
+first on ``sys.path``, as with ``python path.py``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+
+class FactoryError(ValueError):
+    """The factory cannot be found or did not give a model and inputs; the message says which."""
+
+
+def load_factory(spec: str) -> Callable[[], Any]:
+    """``MODULE:FACTORY`` -> the callable."""
+    module_name, colon, attribute = spec.rpartition(":")
+    if not colon or not module_name or not attribute:
+        raise FactoryError(f"expected MODULE:FACTORY (e.g. examples/audit.py:build), got {spec!r}")
+    try:
+        if module_name.endswith(".py") or os.sep in module_name:
+            module = _import_file(Path(module_name))
+        else:
+            sys.path.insert(0, os.getcwd())
+            module = importlib.import_module(module_name)
+    except FactoryError:
+        raise
+    except (Exception, SystemExit) as error:  # a script's argparse exiting at import counts too
+        raise FactoryError(f"cannot import {module_name}: {one_line(error)}") from None
+    factory = getattr(module, attribute, None)
+    if not callable(factory):
+        raise FactoryError(f"{module_name} has no callable {attribute!r}")
+    return factory
+
+
+def build(spec: str) -> tuple[torch.nn.Module, tuple]:
+    """Call the factory ``spec`` names; (model, example inputs as a tuple)."""
+    factory = load_factory(spec)
+    try:
+        built = factory()
+    except Exception as error:
+        raise FactoryError(f"{spec}() raised {one_line(error)}") from None
+    return model_and_inputs(built, spec)
+
+
+def model_and_inputs(built: Any, spec: str) -> tuple[torch.nn.Module, tuple]:
+    """Check what a factory returned: a module and at least one example input."""
+    if not (isinstance(built, tuple) and len(built) == 2 and isinstance(built[0], torch.nn.Module)):
+        raise FactoryError(f"{spec}() returned {type(built).__name__}; expected (model, example_inputs)")
+    model, inputs = built
+    inputs = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
+    if not inputs:
+        raise FactoryError(f"{spec}() returned no example inputs; expected (model, example_inputs)")
+    return model, inputs
+
+
+def one_line(error: BaseException) -> str:
+    """An exception in one line: its type and the first line of its message."""
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
+
+
+def _import_file(path: Path):
+    if not path.is_file():
+        raise FactoryError(f"no such file: {path}")
+    sys.path.insert(0, str(path.resolve().parent))
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[path.stem] = module
+    spec.loader.exec_module(module)
+    return module
