@@ -61,7 +61,7 @@ class RopeDedupBackend:
         # not alias into, or be reported as, this one's shared tables.
         self._stores: dict[tuple[bool, bool], CanonicalStore] = {}
         self.store = self._store_for(config)
-        self._configs: dict[str, RopeDedupConfig] = {}
+        self._compiles: dict[str, tuple[RopeDedupConfig, Callable]] = {}  # compile kwargs -> (config, inner)
         self.graphs_compiled = 0
         self.pass_seconds = 0.0  # the pass plus its safety copy of the graph, all graphs together
         self.errors: list[str] = []
@@ -80,24 +80,30 @@ class RopeDedupBackend:
             self._stores[policy] = CanonicalStore(dry_run=config.dry_run, share_persistent=config.share_persistent)
         return self._stores[policy]
 
-    def _config_for(self, compile_kwargs: dict[str, Any]) -> RopeDedupConfig:
-        """This compile's config: the backend's, with what ``torch.compile`` forwarded (mode, options)."""
-        if not compile_kwargs:
-            return self.config
+    def _config_for(self, compile_kwargs: dict[str, Any]) -> tuple[RopeDedupConfig, Callable]:
+        """This compile's config (the backend's, with the mode and options ``torch.compile`` forwarded) and
+        its inner backend, made once per distinct set of keywords."""
         unknown = sorted(set(compile_kwargs) - {"mode", "options"})
         if unknown:
             raise TypeError(f"RopeDedupBackend got unexpected keyword(s) {', '.join(unknown)}: torch.compile "
                             f"forwards only mode and options")
         cache_key = repr(sorted(compile_kwargs.items(), key=lambda kv: kv[0]))
-        if cache_key not in self._configs:
-            self._configs[cache_key] = RopeDedupConfig.from_options(
+        if cache_key not in self._compiles:
+            config = self.config if not compile_kwargs else RopeDedupConfig.from_options(
                 compile_kwargs.get("options"), base=self.config, mode=compile_kwargs.get("mode"))
-        return self._configs[cache_key]
+            self._compiles[cache_key] = config, config.inner_backend()
+        return self._compiles[cache_key]
+
+    def reset(self) -> None:
+        """Called by ``torch._dynamo.reset()``: reset the inner backends (inductor's CUDA graph trees), as
+        torch does for an inner backend it was given directly. The stores and report are kept."""
+        for _, inner in self._compiles.values():
+            if hasattr(inner, "reset"):
+                inner.reset()
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence, **compile_kwargs: Any) -> Callable:
-        config = self._config_for(compile_kwargs)
+        config, inner = self._config_for(compile_kwargs)
         store = self._store_for(config)
-        inner = config.inner_backend()
         started = time.perf_counter()
         pristine = _copy_graph_module(gm)
         try:

@@ -94,9 +94,10 @@ log=$(mktemp)
 trap 'rm -f "$log"' EXIT
 status=0
 "$py" -m pytest -q -p no:cacheprovider "$@" 2>&1 | tee "$log" || status=${PIPESTATUS[0]}
-# pytest's last non-empty line is its summary ("3 failed, 120 passed in 80.1s"); drop any "=" fences.
-summary=$(grep -v '^[[:space:]]*$' "$log" | tail -n 1 | sed -E 's/^=+ //; s/ =+$//')
-echo "check_torch: torch $version: ${summary:-<no pytest output>}"
+# pytest's summary is its last line ending in " in 80.12s" or " in 80.12s (0:01:20)"; drop the "=" fences.
+summary=$(grep -E ' in [0-9]+(\.[0-9]+)?s( \([0-9:]+\))?( =+)?$' "$log" | tail -n 1 \
+    | sed -E 's/^=+ //; s/ =+$//' || true)
+echo "check_torch: torch $version: ${summary:-<pytest ended without a summary line, exit status $status>}"
 if [ "$status" -eq 5 ]; then
     echo "check_torch: pytest collected no tests" >&2
 fi

@@ -8,14 +8,15 @@
 #   scripts/cuda_checks.sh                  # writes to ${OUT:-out/cuda}
 #   scripts/cuda_checks.sh /tmp/cuda-run
 #
-# Steps (files under OUTDIR), in this order:
+# Steps, in this order, and the 8 files they write under OUTDIR (the device tool brings back 8 at most):
 #   a. torch must see a CUDA device, else exit 2: "no CUDA device visible to torch X.Y ...; nothing was run".
-#   b. set up (setup.txt) and record the machine (env.txt: torch, torch.version.cuda, device, nvidia-smi).
-#   c. the tests that use CUDA (skipped on CPU; pytest -k 'cuda or device', pytest-cuda.txt).
+#   b. set up, and record the machine (env.txt: torch, torch.version.cuda, device, missing test packages,
+#      nvidia-smi, then the set-up log).
+#   c. the tests that use CUDA (skipped on CPU; pytest -k 'cuda or device'; first part of pytest.txt).
 #   d. rope-dedup profile --preset titan-128k --device cuda (profile-titan-128k-cuda.{txt,json,png}).
 #   e. scripts/cuda_graphs_check.py: CUDA graphs (mode reduce-overhead) with and without rope_dedup,
 #      whole model and per block (cuda_graphs.{txt,json}).
-#   c'. the rest of the fast test suite (pytest.txt) in the time left: it takes far longer than the
+#   c'. the rest of the fast test suite (second part of pytest.txt) in the time left: it takes far longer than the
 #      budget on a few cores, so it runs last, in parallel where pytest-xdist is installed, and is cut
 #      off (SIGINT: pytest still prints its summary) when the budget is spent.
 #      tests/test_cuda_checks.py is left out: its CUDA test runs step e's script, which e runs anyway.
@@ -31,6 +32,8 @@
 #     build, the CUDA one).
 # A folder .whl/ of wheels (packages the image lacks, e.g. expecttest) is installed offline first.
 # If .venv exists but its torch has no CUDA, step a stops: remove .venv or set PYTHON.
+# The GPU image's torch may be older than pyproject's range (torch 2.11 was seen there): env.txt says
+# which torch the figures are for.
 #
 # Each step runs under `timeout` with what is left of the budget, minus what the later steps are
 # guaranteed (RESERVE_* below), SIGINT first. PYTEST_ARGS replaces the arguments of step c';
@@ -73,22 +76,25 @@ elif [ "${probe#* }" != 1 ]; then
 fi
 
 mkdir -p "$outdir"
+rm -f "$outdir"/{env,pytest,summary,cuda_graphs}.txt "$outdir"/cuda_graphs.json "$outdir"/profile-titan-128k-cuda.*
 names=() codes=() secs=() files=()
 
-# run_step NAME CAP RESERVE OUTFILE COMMAND...: run COMMAND, stdout and stderr to OUTFILE, with a limit
-# of min(CAP, what is left of the budget minus RESERVE); records its exit code (124: out of time).
+# run_step NAME CAP RESERVE OUTFILE COMMAND...: run COMMAND, stdout and stderr appended to OUTFILE after a
+# header line, with a limit of min(CAP, what is left of the budget minus RESERVE); records its exit code
+# (124: out of time).
 run_step() {
     local name=$1 cap=$2 reserve=$3 file=$4
     shift 4
     local left=$((budget - (SECONDS - started) - reserve))
     local limit=$((cap < left ? cap : left))
     local t0=$SECONDS code=0
+    echo "### $name (up to ${limit}s): $*" >>"$file"
     if [ "$limit" -lt 20 ]; then
-        echo "skipped: out of time (${left}s left of the budget for this step)" >"$file"
+        echo "skipped: out of time (${left}s left of the budget for this step)" >>"$file"
         code=124
     else
         say "$name (up to ${limit}s) -> $file"
-        timeout --signal=INT --kill-after=20 "$limit" "$@" >"$file" 2>&1 || code=$?
+        timeout --signal=INT --kill-after=20 "$limit" "$@" >>"$file" 2>&1 || code=$?
     fi
     names+=("$name")
     codes+=("$code")
@@ -141,12 +147,14 @@ PY
     echo "$py" >"$chosen"
 }
 chosen=$(mktemp)
-trap 'rm -f "$chosen"' EXIT
+setup_log=$(mktemp)
+trap 'rm -f "$chosen" "$setup_log"' EXIT
 code=0
-(setup) >"$outdir/setup.txt" 2>&1 || code=$?
+(setup) >"$setup_log" 2>&1 || code=$?
 if [ "$code" -ne 0 ]; then
-    say "setup failed (exit $code), see $outdir/setup.txt; nothing else was run"
-    tail -n 5 "$outdir/setup.txt" >&2
+    cp "$setup_log" "$outdir/env.txt"
+    say "setup failed (exit $code), see $outdir/env.txt; nothing else was run"
+    tail -n 5 "$setup_log" >&2
     exit 2
 fi
 py=$(cat "$chosen")
@@ -156,17 +164,22 @@ py=$(cat "$chosen")
     echo "cpus: $(nproc)"
     echo
     timeout 30 nvidia-smi || echo "nvidia-smi failed"
+    echo
+    echo "### set-up log"
+    cat "$setup_log"
 } >>"$outdir/env.txt" 2>&1
 say "setup done: $py, $(sed -n 's/^torch: //p' "$outdir/env.txt"), $(sed -n 's/^device: //p' "$outdir/env.txt")"
 export PYTHONUNBUFFERED=1
 
 # -- c. the tests that use CUDA ---------------------------------------------------------------------
-# Their names say so (test_device_moves_..., test_key_carries_the_device, ..._on_nccl, ...).
+# In the test files that use torch.cuda, the tests whose names say so (test_device_moves_...,
+# test_key_carries_the_device, ..._on_nccl, ...); only those files are collected, which is quick.
 # --continue-on-collection-errors: a test module whose package the image lacks must not hide the rest.
 cuda_tests="cuda or device"
 common_args=(-q -p no:cacheprovider --continue-on-collection-errors --ignore=tests/test_cuda_checks.py)
-run_step pytest-cuda 120 $((RESERVE_PROFILE + RESERVE_GRAPHS)) "$outdir/pytest-cuda.txt" \
-    "$py" -m pytest "${common_args[@]}" -rs -k "$cuda_tests"
+mapfile -t cuda_files < <(grep -l 'torch\.cuda\.' tests/test_*.py | grep -v '^tests/test_cuda_checks\.py$' || true)
+run_step pytest-cuda 120 $((RESERVE_PROFILE + RESERVE_GRAPHS)) "$outdir/pytest.txt" \
+    "$py" -m pytest "${common_args[@]}" -rs -k "$cuda_tests" "${cuda_files[@]}"
 
 # -- d. memory profile, titan-128k on CUDA ----------------------------------------------------------
 # Four modes (eager, compile, rope_dedup, regional), each in a fresh process; --timeout per mode is a
@@ -208,9 +221,9 @@ done
     done
     echo "exit 124: cut off at the step's time limit. Total $((SECONDS - started))s of a ${budget}s budget;" \
          "profile --timeout ${per_mode}s per mode; files in $outdir"
-    for f in pytest-cuda pytest; do
-        grep -v '^[[:space:]]*$' "$outdir/$f.txt" | tail -n 1 | sed "s/^/$f: /" || true
-    done
+    # pytest's summary lines ("3 failed, 120 passed in 80.1s"), one per pass
+    grep -E '^(=+ )?[0-9]+ (passed|failed|skipped|deselected|error)|no tests ran|^skipped: out of time' \
+        "$outdir/pytest.txt" | sed -E 's/^=+ //; s/ =+$//; s/^/pytest: /' || true
     grep -E '^(OK|FAILED|[0-9]+ check)' "$outdir/cuda_graphs.txt" | sed 's/^/cuda_graphs: /' || true
 } | tee "$outdir/summary.txt"
 exit "$failed"

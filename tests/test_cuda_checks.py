@@ -48,7 +48,8 @@ def test_checks_stop_at_once_without_cuda(tmp_path) -> None:
     assert elapsed < 30
     lines = run.stderr.strip().splitlines()
     assert len(lines) == 1, run.stderr
-    assert lines[0] == f"cuda_checks: no CUDA device visible to torch {torch.__version__} ({sys.executable}); nothing was run"
+    expected = f"no CUDA device visible to torch {torch.__version__} ({sys.executable}); nothing was run"
+    assert lines[0] == f"cuda_checks: {expected}"
     assert run.stdout == ""
     assert not out.exists()  # nothing was run, nothing written
 

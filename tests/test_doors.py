@@ -10,6 +10,7 @@ import textwrap
 import pytest
 import torch
 import torch._inductor.compile_fx
+import torch._inductor.cudagraph_trees
 from torch._dynamo.utils import counters
 
 import rope_dedup
@@ -200,3 +201,16 @@ def test_report_counts_trainable_parameters_in_one_line() -> None:
     assert f"  {trainable} trainable parameter(s) (requires grad): never shared, not listed" in text
     assert "embed.weight" not in text and "qkv.weight" not in text
     assert len(backend.report.skipped) == trainable  # the object still has every skip
+
+
+def test_dynamo_reset_resets_the_inner_backend_as_for_inductor_alone(inductor_patches, monkeypatch) -> None:
+    """torch._dynamo.reset() resets each backend it cached; inductor's wrapper then drops its CUDA graph
+    trees. Wrapped in rope_dedup, the inner wrapper must get that call too."""
+    resets = []
+    monkeypatch.setattr(torch._inductor.cudagraph_trees, "reset_cudagraph_trees", lambda: resets.append(1))
+    torch.compile(ToyDecoder(homogeneous(1)), mode="reduce-overhead")(TOKENS)
+    torch._dynamo.reset()
+    alone = len(resets)
+    torch.compile(ToyDecoder(homogeneous(1)), backend=RopeDedupBackend(), mode="reduce-overhead")(TOKENS)
+    torch._dynamo.reset()
+    assert alone >= 1 and len(resets) == 2 * alone

@@ -12,7 +12,7 @@ from torch._dynamo.utils import counters
 from rope_dedup.toy_decoder import COMPUTED_LAYOUTS, RopeSpec, ToyDecoder, homogeneous
 
 from rope_dedup import RopeDedupBackend
-from rope_dedup.backend import COMPUTED_TABLE_DEFAULTS
+from rope_dedup.config import COMPUTED_TABLE_DEFAULTS
 from rope_dedup.passes.find_pure_nodes import find_pure_nodes
 from rope_dedup.passes import fold_rope_constants as fold_rope_constants_module
 from rope_dedup.passes.fold_rope_constants import fold_rope_constants
