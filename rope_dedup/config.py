@@ -53,6 +53,10 @@ class RopeDedupConfig:
         strict: raise an unexpected error inside the pass; otherwise the graph compiles without sharing
             and the error is logged and kept in ``report.errors``.
         dry_run: decide and report, but alias and rewrite nothing (what :func:`rope_dedup.explain` uses).
+        release_memory: after a compile that freed CPU tables (and from run-time interning once 64 MB
+            more are freed), return freed heap memory to the OS with glibc's ``malloc_trim``: otherwise
+            glibc keeps tables of a few MB in the process and RSS hardly drops. Never on the per-call path;
+            a no-op without glibc and on CUDA.
     """
 
     inner: str | Callable = "inductor"
@@ -63,6 +67,7 @@ class RopeDedupConfig:
     merge_computed: bool | None = None
     strict: bool = False
     dry_run: bool = False
+    release_memory: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.inner, str):
@@ -75,7 +80,7 @@ class RopeDedupConfig:
         elif not callable(self.inner) or isinstance(self.inner, (RopeDedupConfig, bool)):
             raise TypeError(f"inner must be a backend name or a backend callable, got {type(self.inner).__name__}: "
                             f"{self.inner!r}")
-        for name in ("share_persistent", "strict", "dry_run"):
+        for name in ("share_persistent", "strict", "dry_run", "release_memory"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
         for name in ("fold_constants", "merge_computed"):

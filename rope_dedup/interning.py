@@ -17,6 +17,7 @@ from torch._dynamo.utils import counters
 from torch.utils.weak import WeakIdKeyDictionary
 
 from rope_dedup.passes.dedup_rope import WatchedInput
+from rope_dedup.memory import TRIM_THRESHOLD_BYTES, release_freed_memory
 from rope_dedup.store import CanonicalStore
 from rope_dedup.tensors import memory_ptr
 
@@ -40,6 +41,7 @@ class InterningCallable:
         watched_inputs: dict[int, WatchedInput],
         merged_inputs: list[tuple[int, ...]],
         fallback: Callable[[Sequence], Callable] | None = None,
+        release_memory: bool = True,
     ) -> None:
         self._compiled = compiled
         self._store = store
@@ -49,6 +51,7 @@ class InterningCallable:
         self._fallback_factory = fallback
         self._fallback: Callable | None = None
         self._rejected = WeakIdKeyDictionary()  # tensors already refused: don't re-examine every call
+        self._release_memory = release_memory
 
     def __call__(self, *args):
         if not self.intern_inputs(args):
@@ -82,8 +85,11 @@ class InterningCallable:
             return
         if offer.status == "skipped":
             self._rejected[tensor] = True
-        else:
-            counters["rope_dedup"]["interned_at_runtime"] += 1
+            return
+        counters["rope_dedup"]["interned_at_runtime"] += 1
+        if self._release_memory and self._store.freed_cpu_bytes >= TRIM_THRESHOLD_BYTES:
+            self._store.take_freed_cpu_bytes()
+            release_freed_memory()
 
     def _run_unmerged(self, args: Sequence):
         if self._fallback is None:

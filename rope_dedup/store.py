@@ -73,6 +73,7 @@ class CanonicalStore:
         self.skipped: dict[str, str] = {}
         self._skipped_refs: dict[str, list[weakref.ref]] = {}  # name -> tensors skipped under it
         self._names: dict[str, int] = {}
+        self.freed_cpu_bytes = 0  # CPU storage let go by aliasing since the owner last took the count
 
     # -- the hot path -------------------------------------------------------------------------------
     def is_interned(self, tensor: torch.Tensor) -> bool:
@@ -129,6 +130,8 @@ class CanonicalStore:
                     mine.set_(canonical.untyped_storage(), canonical.storage_offset(), mine.size(), mine.stride())
             except RuntimeError as error:
                 return self._skip(name, f"could not alias its storage: {str(error).splitlines()[0]}", tensor)
+            if mine.device.type == "cpu":
+                self.freed_cpu_bytes += original
         self._add_member(group, tensor, name, original)
         return Offer("shared", group.key)
 
@@ -213,6 +216,11 @@ class CanonicalStore:
         find the one tensor to keep."""
         group = self._group_of.get(id(tensor))
         return None if group is None else group.canonical()
+
+    def take_freed_cpu_bytes(self) -> int:
+        """CPU bytes aliasing let go since the last call (an upper bound: a view elsewhere may keep one)."""
+        freed, self.freed_cpu_bytes = self.freed_cpu_bytes, 0
+        return freed
 
     # -- what the report reads ------------------------------------------------------------------
     def skipped_tensors(self, name: str) -> list[torch.Tensor]:
