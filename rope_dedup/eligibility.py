@@ -28,7 +28,8 @@ def why_not_shareable(tensor: torch.Tensor, kind: str, written: str | None, pers
     if tensor.requires_grad:
         return "requires grad: aliasing would merge gradient flows"
     if written is not None:
-        return f"written in the graph ({written}): mutable state, never shared"
+        return (f"written in the graph ({written}): has its own storage whenever a graph that writes it runs, "
+                f"shared only while graphs that just read it run")
     if persistent and not share_persistent:
         return PERSISTENT_REASON
     if is_dtensor(tensor):

@@ -47,6 +47,8 @@ class InterningCallable:
         self._store = store
         self._watched = watched_inputs
         self._positions = tuple(watched_inputs)
+        # Inputs this graph writes in place: each must have its own storage when the graph runs.
+        self._written = tuple(p for p, how in watched_inputs.items() if how.written is not None)
         self._merged = merged_inputs
         self._fallback_factory = fallback
         self._fallback: Callable | None = None
@@ -62,6 +64,9 @@ class InterningCallable:
     def intern_inputs(self, args: Sequence) -> bool:
         """The per-call work: offer unseen watched inputs; return whether merged inputs still share memory."""
         is_interned = self._store.is_interned
+        for position in self._written:  # empty for graphs that only read: the check costs them nothing
+            if is_interned(args[position]):  # shared by a read-only graph since this one last ran
+                self._store.release(args[position])
         for position in self._positions:
             if not is_interned(args[position]):
                 self._intern(position, args[position])

@@ -21,7 +21,8 @@ class RopeKey:
     """Identity of a RoPE table as a human would state it.
 
     ``dim`` is the rotary dimension (2 x the number of frequencies); ``length`` the number of
-    positions (None for a bare ``inv_freq``); ``scaling`` is None for a plain geometric progression
+    positions (None for a bare ``inv_freq``), of which a cache being filled has written only ``filled``
+    so far; ``scaling`` is None for a plain geometric progression
     ``f_j = theta ** (-2j / dim)``, else a signature such as ``linear x4``, ``mscale 1.2`` or
     ``nonuniform low/8 #a1b2c3`` (llama3, YaRN: high frequencies kept, low ones bent).
     """
@@ -33,9 +34,11 @@ class RopeKey:
     device: torch.device
     layout: str
     scaling: str | None = None
+    filled: int | None = None  # a cache being filled: positions written so far, of ``length``
 
     def __str__(self) -> str:
-        parts = [f"theta={self.theta:g}", f"dim={self.dim}", f"len={self.length}", _dtype_name(self.dtype),
+        length = f"filled={self.filled}/{self.length}" if self.filled else f"len={self.length}"
+        parts = [f"theta={self.theta:g}", f"dim={self.dim}", length, _dtype_name(self.dtype),
                  str(self.device), self.layout]
         if self.scaling:
             parts.append(self.scaling)
@@ -104,6 +107,7 @@ def infer_key(table: RopeTable, tensor: torch.Tensor) -> RopeKey:
         device=tensor.device,
         layout=table.layout,
         scaling=", ".join(scaling) or None,
+        filled=table.filled,
     )
 
 

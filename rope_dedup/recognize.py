@@ -11,7 +11,7 @@ learned embeddings fail that rebuild by orders of magnitude, so the check is bot
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -32,6 +32,7 @@ class RopeTable:
     amplitude: float  # 1.0 except for attention-scaled tables (YaRN's mscale)
     length: int | None  # positions; None for a bare inv_freq vector
     rough: bool = False  # too few positions to measure theta precisely: the key says so
+    filled: int | None = None  # a cache being filled: only its first ``filled`` positions are written yet
 
 
 @dataclass(frozen=True)
@@ -70,6 +71,22 @@ def recognize_rope_table(tensor: torch.Tensor) -> RopeTable | NotRope:
         return NotRope("position 0 is not cos = const / sin = 0")
     if not bool(torch.isfinite(x).all()):
         return NotRope("contains NaN or inf")
+    if x.dim() < 2:
+        return _recognize(x, tensor)
+    # A cache filled lazily (rotary-embedding-torch: zeros at init, the first seq_len rows written by the
+    # first forward): RoPE rows followed by rows never written. No RoPE row after position 0 is all zeros.
+    written = x.reshape(x.shape[0], -1).ne(0).any(dim=1)
+    filled = int(written.nonzero().max()) + 1 if bool(written.any()) else 0
+    if filled == x.shape[0]:
+        return _recognize(x, tensor)
+    if filled < 2:
+        return NotRope("all zeros after position 0: a cache not filled yet")
+    found = _recognize(x[:filled], tensor)
+    return replace(found, length=x.shape[0], filled=filled) if isinstance(found, RopeTable) else found
+
+
+def _recognize(x: torch.Tensor, tensor: torch.Tensor) -> RopeTable | NotRope:
+    """Recognition proper, on the squeezed values ``x`` of ``tensor``."""
     eps, floor = _eps(tensor.dtype), _floor(tensor.dtype)
     if x.is_complex():
         if x.dim() != 2:

@@ -69,7 +69,7 @@ class CanonicalStore:
         self._groups: list[_Group] = []
         self._group_of: dict[int, _Group] = {}  # id(tensor) -> group
         self._ptr_count: dict[int, int] = {}  # data_ptr of live members -> how many
-        self._excluded = WeakIdKeyDictionary()  # tensor -> why it must never be shared again
+        self._excluded = WeakIdKeyDictionary()  # tensor -> why it must never be shared again (unshare())
         self.skipped: dict[str, str] = {}
         self._skipped_refs: dict[str, list[weakref.ref]] = {}  # name -> tensors skipped under it
         self._names: dict[str, int] = {}
@@ -87,11 +87,11 @@ class CanonicalStore:
         if id(tensor) in self._group_of:
             if written is None:
                 return Offer("known", self._group_of[id(tensor)].key)
-            log.warning("rope_dedup: %s is written in place by a graph compiled later; unsharing it", name)
+            # A graph that writes it is about to run (its compiled callable unshares it before every call
+            # too): the write must land in this tensor's own storage, not in every sharer's.
+            log.info("rope_dedup: %s is written by a graph compiled now; it gets its own storage back", name)
             self.release(tensor)
-        if written is not None:
-            self._excluded[tensor] = f"written in the graph ({written}) of another compiled graph"
-        elif tensor in self._excluded:
+        if tensor in self._excluded:
             return self._skip(name, self._excluded[tensor], tensor)
         reason = why_not_shareable(tensor, kind, written, persistent, self.share_persistent)
         if reason is not None:
@@ -174,8 +174,8 @@ class CanonicalStore:
     def release(self, tensor: torch.Tensor, reason: str | None = None) -> bool:
         """Give a shared tensor its own storage back; with ``reason``, never share it again.
 
-        Used when a graph compiled later turns out to write a table shared earlier (before that graph
-        runs), and by :func:`rope_dedup.unshare`. Returns whether the tensor was a member.
+        Used before a graph that writes a shared table runs (it may be shared again once only graphs that
+        read it run), and by :func:`rope_dedup.unshare`. Returns whether the tensor was a member.
         """
         if reason is not None:
             self._excluded[tensor] = reason
