@@ -4,7 +4,9 @@ With regional compilation (each block compiled on its own) or a graph break insi
 dynamo compiles one graph and feeds it every layer's tables as inputs at run time: the compile-time
 pass sees only the first layer. So before each call the compiled callable checks each watched input's
 data pointer against the store (a dict lookup: the hot path) and, on first sight of a new tensor,
-offers it to the store (the slow path, once per tensor), which shares it or records why not.
+offers it to the store (the slow path, once per tensor), which shares it or records why not. A graph
+that writes some of its inputs in place first gives each of them its own storage back if a graph that
+only reads them shared it since (a pointer check per written input, in writing graphs only).
 """
 
 from __future__ import annotations
