@@ -225,7 +225,7 @@ def _print_profile(result: dict[str, Any], console) -> None:
         return
     inner = result["config"]["inner"]
     console.print(_memory_table(ok, inner, cuda=result["config"]["device"] == "cuda"))
-    console.print(_time_table(ok, inner))
+    console.print(_time_table(ok, inner, train=result["config"].get("train", False)))
     summary = result["summary"]
     if result["targets"]:
         console.print(_targets_table(result["targets"], summary, inner))
@@ -267,11 +267,12 @@ def _memory_table(ok: dict[str, dict], inner: str, cuda: bool):
     return table
 
 
-def _time_table(ok: dict[str, dict], inner: str):
+def _time_table(ok: dict[str, dict], inner: str, train: bool):
+    step = "forward, backward and AdamW step" if train else "one forward under no_grad"
     table = _table("Time", ("mode", "first call s", "step ms", "fastest step ms", "pass s", "intern µs/call",
                             "calls/step", "intern ÷ step"),
-                   caption="first call includes compiling; step: one forward under no_grad, median; intern: the "
-                           "per-call storage check of the compiled callable (InterningCallable.intern_inputs)")
+                   caption=f"first call includes compiling; step: {step}, median; intern: the per-call storage "
+                           f"check of the compiled callable (InterningCallable.intern_inputs)")
     for mode, r in ok.items():
         intern = r["intern_s_per_call"] is not None
         table.add_row(prof.mode_label(mode, inner), "-" if mode == "eager" else f"{r['first_call_s']:.2f}",

@@ -61,7 +61,14 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want_stamp" ] \
     echo "check_torch: reusing the project install (same checkout, pyproject.toml unchanged)" >&2
 else
     rm -f "$stamp"
-    if ! PIP_CONSTRAINT="$pin" "$py" -m pip install -e "$repo[test]"; then
+    pip_log=$venv/pip-project.log
+    pip_status=0
+    PIP_CONSTRAINT="$pin" "$py" -m pip install -e "$repo[test]" 2>&1 | tee "$pip_log" || pip_status=${PIPESTATUS[0]}
+    if [ "$pip_status" -ne 0 ]; then
+        if ! grep -q ResolutionImpossible "$pip_log"; then
+            echo "check_torch: pip could not install the project (see above)" >&2
+            exit "$pip_status"
+        fi
         echo "check_torch: torch $version does not satisfy the project's declared torch range;" \
              "installing its other requirements, then the project with --no-deps" >&2
         mapfile -t reqs < <("$py" - "$repo/pyproject.toml" <<'EOF'
