@@ -252,7 +252,6 @@ def rotary_embedding_torch() -> RealCase:
     torch.manual_seed(0)
     model = RotaryStack().eval()
     tables = lambda m: _named(m, ("freqs", "cached_freqs"))
-    cached = [n for n, _ in tables(model) if n.endswith("cached_freqs")]
     freqs = [t for n, t in tables(model) if n.endswith(".freqs")]
     return RealCase("rotary-embedding-torch", _pin("rotary-embedding-torch"), model,
                     (_tokens(128),), ideal_storages=1 + len(freqs), rope_tensors=tables,

@@ -13,7 +13,6 @@ import torch._inductor.compile_fx
 import torch._inductor.cudagraph_trees
 from torch._dynamo.utils import counters
 
-import rope_dedup
 from rope_dedup import RopeDedupBackend, RopeDedupConfig
 from rope_dedup.toy_decoder import ToyDecoder, homogeneous, local_global, rope_tensors, unique_storages
 
