@@ -17,7 +17,7 @@ from rope_dedup.passes.fold_rope_constants import fold_rope_constants
 from rope_dedup.passes.merge_rope_subgraphs import merge_rope_subgraphs
 from rope_dedup.config import RopeDedupConfig
 from rope_dedup.interning import InterningCallable
-from rope_dedup.memory import release_freed_memory
+from rope_dedup.memory import release_if_freed
 from rope_dedup.report import DedupReport
 from rope_dedup.store import CanonicalStore
 
@@ -123,8 +123,8 @@ class RopeDedupBackend:
             counters["rope_dedup"]["pass_errors"] += 1
             self.graphs_compiled += 1
             return inner(pristine, example_inputs)
-        if config.release_memory and store.take_freed_cpu_bytes():
-            release_freed_memory()
+        if config.release_memory:
+            release_if_freed(store)
         self.pass_seconds += time.perf_counter() - started
         self.graphs_compiled += 1
         counters["rope_dedup"]["graphs"] += 1

@@ -19,7 +19,7 @@ from torch._dynamo.utils import counters
 from torch.utils.weak import WeakIdKeyDictionary
 
 from rope_dedup.passes.dedup_rope import WatchedInput
-from rope_dedup.memory import TRIM_THRESHOLD_BYTES, release_freed_memory
+from rope_dedup.memory import TRIM_THRESHOLD_BYTES, release_if_freed
 from rope_dedup.store import CanonicalStore
 from rope_dedup.tensors import memory_ptr
 
@@ -94,9 +94,8 @@ class InterningCallable:
             self._rejected[tensor] = True
             return
         counters["rope_dedup"]["interned_at_runtime"] += 1
-        if self._release_memory and self._store.freed_cpu_bytes >= TRIM_THRESHOLD_BYTES:
-            self._store.take_freed_cpu_bytes()
-            release_freed_memory()
+        if self._release_memory:
+            release_if_freed(self._store, TRIM_THRESHOLD_BYTES)
 
     def _run_unmerged(self, args: Sequence):
         if self._fallback is None:

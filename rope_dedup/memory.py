@@ -45,3 +45,11 @@ def release_freed_memory() -> bool:
     trim(0)
     log.debug("rope_dedup: malloc_trim(0) took %.1f ms", (time.perf_counter() - started) * 1e3)
     return True
+
+
+def release_if_freed(store, at_least: int = 1) -> bool:
+    """Trim once ``store``'s aliasing has let go of at least ``at_least`` CPU bytes since the last trim."""
+    if store.freed_cpu_bytes < at_least:
+        return False
+    store.take_freed_cpu_bytes()
+    return release_freed_memory()

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import rope_dedup.backend
 import rope_dedup.interning
+import rope_dedup.memory
 from rope_dedup import RopeDedupBackend
 from rope_dedup.memory import _malloc_trim, release_freed_memory
 from rope_dedup.toy_decoder import ToyDecoder, homogeneous
@@ -17,8 +17,7 @@ TOKENS = torch.randint(0, 64, (1, 8), generator=torch.Generator().manual_seed(0)
 @pytest.fixture
 def trims(monkeypatch) -> list[int]:
     calls: list[int] = []
-    for module in (rope_dedup.backend, rope_dedup.interning):
-        monkeypatch.setattr(module, "release_freed_memory", lambda: calls.append(1) or True)
+    monkeypatch.setattr(rope_dedup.memory, "release_freed_memory", lambda: calls.append(1) or True)
     return calls
 
 
