@@ -14,6 +14,7 @@ import torch
 
 from rope_dedup.eligibility import TRAINABLE_REASON
 from rope_dedup.keys import RopeKey
+from rope_dedup.store import base_name
 from rope_dedup.tensors import describe_placement, local, storage_nbytes, storage_ptr
 
 
@@ -43,12 +44,27 @@ class Skip:
 
 
 @dataclass(frozen=True)
+class Departed:
+    """A shared table freed since: its owner replaced it (a cache regrown in forward) or dropped it."""
+
+    path: str
+    key: RopeKey
+    times: int  # shared tensors freed under this path
+    replacement_bytes: int | None = None  # own storage of the unshared tensor now at ``path``; None: none seen
+
+    @property
+    def replaced(self) -> bool:
+        return self.replacement_bytes is not None
+
+
+@dataclass(frozen=True)
 class DedupReport:
     """Every RoPE table seen, grouped by shared storage, plus every skipped tensor with its reason."""
 
     groups: list[Group] = field(default_factory=list)
     skipped: list[Skip] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)  # pass failures that made a graph compile unshared
+    departed: list[Departed] = field(default_factory=list)  # shared, then freed, and not shared again
 
     @property
     def bytes_before(self) -> int:
@@ -71,7 +87,8 @@ class DedupReport:
                     errors: Sequence[str] = ()) -> DedupReport:
         """One report over several stores (a backend keeps one per storage policy its compiles asked for)."""
         parts = [cls.from_store(store, model) for store in stores]
-        return cls([g for p in parts for g in p.groups], [s for p in parts for s in p.skipped], list(errors))
+        return cls([g for p in parts for g in p.groups], [s for p in parts for s in p.skipped], list(errors),
+                   [d for p in parts for d in p.departed])
 
     @classmethod
     def from_store(cls, store, model: torch.nn.Module | None = None, errors: Sequence[str] = ()) -> DedupReport:
@@ -79,9 +96,11 @@ class DedupReport:
 
         With ``model``, members and skipped tensors are named by their full path in it: under regional
         compilation the backend sees one block, so the names it recorded are relative to that block
-        (``attn.cos#3``), and one skip name stands for that table in every block.
+        (``attn.cos#3``), and one skip name stands for that table in every block. It also tells which
+        departed tables were replaced by a tensor that is not shared (a cache regrown in forward).
         """
-        full = tensor_paths(model) if model is not None else {}
+        tensors = module_tensors(model) if model is not None else {}
+        full = {ident: path for ident, (path, _) in tensors.items()}
         groups = []
         for group, live in store.snapshot():
             after = {storage_ptr(t): storage_nbytes(t) for t, _ in live}
@@ -101,7 +120,9 @@ class DedupReport:
         for path, reason in store.skipped.items():
             named = sorted(full[id(t)] for t in store.skipped_tensors(path) if id(t) in full)
             skipped += [Skip(p, reason) for p in named] or [Skip(path, reason)]
-        return cls(groups, skipped, list(errors))
+        shared = {base_name(m.name) for _, live in store.snapshot() for _, m in live}
+        shared |= {m for g in groups for m in g.members}
+        return cls(groups, skipped, list(errors), _departed(store, shared, tensors))
 
     def __str__(self) -> str:
         lines = [f"rope_dedup: {len(self.groups)} distinct RoPE table(s), "
@@ -131,7 +152,34 @@ class DedupReport:
                 paths = [s.path for s in self.skipped if s.reason == reason]
                 shown = ", ".join(paths[:4]) + (f", ... (+{count - 4})" if count > 4 else "")
                 lines.append(f"  {reason}: {shown}")
+        if self.departed:
+            lines.append(f"freed after sharing {len(self.departed)}:")
+            replaced = [d for d in self.departed if d.replaced]
+            if replaced:
+                replacement = format_bytes(sum(d.replacement_bytes for d in replaced))
+                lines.append(f"  replaced by a tensor with its own storage ({replacement} in all), shared again when a compiled graph reads it, not while dynamo runs the frame "
+                             f"eagerly (past its recompile limit): {_listed([d.path for d in replaced])}")
+            gone = [d.path for d in self.departed if not d.replaced]
+            if gone:
+                lines.append(f"  freed: the owner dropped or replaced it (report_for(model) tells which): {_listed(gone)}")
         return "\n".join(lines)
+
+
+def _listed(paths: list[str]) -> str:
+    return ", ".join(paths[:4]) + (f", ... (+{len(paths) - 4})" if len(paths) > 4 else "")
+
+
+def _departed(store, shared: set[str], tensors: dict[int, tuple[str, torch.Tensor]]) -> list[Departed]:
+    """The store's freed members whose path (store name, or full path) has no shared tensor now: a shared
+    replacement closes the story."""
+    at = {path: tensor for path, tensor in tensors.values()}
+    departed = []
+    for path, (times, key) in store.departed.items():
+        if path in shared:
+            continue
+        now = at.get(path)
+        departed.append(Departed(path, key, times, None if now is None else storage_nbytes(now)))
+    return departed
 
 
 def format_table(rows: list[tuple[str, ...]]) -> list[str]:

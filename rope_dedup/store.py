@@ -73,6 +73,9 @@ class CanonicalStore:
         self.skipped: dict[str, str] = {}
         self._skipped_refs: dict[str, list[weakref.ref]] = {}  # name -> tensors skipped under it
         self._names: dict[str, int] = {}
+        # Members freed while shared, by name without its "#n": a cache regrown in forward drops the shared
+        # table for a new one of its own, and the report must say so rather than go quiet about it.
+        self.departed: dict[str, tuple[int, RopeKey]] = {}
         self.freed_cpu_bytes = 0  # CPU storage let go by aliasing since the owner last took the count
 
     # -- the hot path -------------------------------------------------------------------------------
@@ -151,18 +154,23 @@ class CanonicalStore:
     def _add_member(self, group: _Group, tensor: torch.Tensor, name: str, original_nbytes: int) -> None:
         ident = id(tensor)
         ptr = memory_ptr(tensor)
-        group.members[ident] = _Member(weakref.ref(tensor, lambda _: self._forget(ident, ptr)), name,
-                                       original_nbytes)
+        group.members[ident] = _Member(weakref.ref(tensor, lambda _: self._forget(ident, ptr, departed=True)),
+                                       name, original_nbytes)
         self._group_of[ident] = group
         self._ptr_count[ptr] = self._ptr_count.get(ptr, 0) + 1
         self.skipped.pop(name, None)
         self._skipped_refs.pop(name, None)
 
-    def _forget(self, ident: int, ptr: int) -> None:
+    def _forget(self, ident: int, ptr: int, departed: bool = False) -> None:
         group = self._group_of.pop(ident, None)
         if group is None:
             return
-        group.members.pop(ident, None)
+        member = group.members.pop(ident, None)
+        if departed and member is not None:
+            base = base_name(member.name)
+            count, _ = self.departed.get(base, (0, group.key))
+            self.departed[base] = (count + 1, group.key)
+            log.info("rope_dedup: %s was freed while shared (its owner dropped or replaced it)", member.name)
         count = self._ptr_count.get(ptr, 0) - 1
         if count > 0:
             self._ptr_count[ptr] = count
@@ -236,3 +244,8 @@ class CanonicalStore:
             if live:
                 result.append((group, live))
         return result
+
+
+def base_name(name: str) -> str:
+    """``attn.cos#3`` -> ``attn.cos``: the path a store name stands for, without its repeat number."""
+    return name.rpartition("#")[0] if "#" in name and name.rpartition("#")[2].isdigit() else name
