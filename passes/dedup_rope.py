@@ -48,6 +48,7 @@ def dedup_rope(
     *,
     store: CanonicalStore | None = None,
     share_persistent: bool = False,
+    redirect_inputs: bool = True,
 ) -> RopeDedupResult:
     """Share identical RoPE tables read by ``gm`` and rewrite the graph to read one node per table.
 
@@ -59,6 +60,9 @@ def dedup_rope(
     state arrives as placeholders; ``store`` lets a backend share across the graphs it compiles.
     Buffers saved in a ``state_dict`` are shared only with ``share_persistent=True`` (or a store made
     with it); note that ``symbolic_trace`` registers every buffer it copies as persistent.
+    ``redirect_inputs=False`` leaves placeholders reading shared tables apart (their memory is shared
+    all the same): one node per table lets inductor fuse differently, which moves gradients in the
+    last bits (measured on Persimmon), and only ``merge_rope_subgraphs`` needs it.
     """
     if store is None:
         store = CanonicalStore(share_persistent=share_persistent)
@@ -75,6 +79,8 @@ def dedup_rope(
             kept.append(candidate)
         if candidate.input_index is not None and (offer.status != "skipped" or _worth_watching(candidate)):
             watched[candidate.input_index] = how
+    if not redirect_inputs:
+        kept = [c for c in kept if c.input_index is None]
     duplicates, merged = duplicates_by_memory(kept) if not store.dry_run else ({}, [])
     modified = redirect_to_canonical(gm, duplicates)
     result = RopeDedupResult(gm, modified)

@@ -108,8 +108,8 @@ class RopeDedupBackend:
         started = time.perf_counter()
         pristine = _copy_graph_module(gm)
         try:
-            result = dedup_rope(gm, example_inputs, store=store)
             fold, merge = config.computed_table_transforms()
+            result = dedup_rope(gm, example_inputs, store=store, redirect_inputs=config.redirects_inputs())
             if merge and not store.dry_run:  # after dedup_rope: per-layer tables now read one node
                 merge_rope_subgraphs(gm, example_inputs, store=store)
             if fold and not store.dry_run:

@@ -135,6 +135,15 @@ class RopeDedupConfig:
         return torch._dynamo.backends.registry.lookup_backend(self.inner) if isinstance(self.inner, str) \
             else self.inner
 
+    def redirects_inputs(self) -> bool:
+        """Whether duplicate table placeholders are rewritten to read one node (their memory is shared either way).
+
+        Not under inductor unless merging needs it: one node per table changes inductor's fusion in the
+        backward (a Persimmon model's gradients moved by 2e-7, bitwise equal with placeholders left apart,
+        same table memory); other backends run the graph as written, and merging needs one node per table.
+        """
+        return self.inner != "inductor" or self.computed_table_transforms()[1]
+
     def computed_table_transforms(self) -> tuple[bool, bool]:
         """(fold constant RoPE subgraphs, merge identical ones) as the backend will apply them."""
         default = COMPUTED_TABLE_DEFAULTS.get(self.inner, (False, False)) if isinstance(self.inner, str) \
