@@ -1,0 +1,156 @@
+"""transformers 4.x models that keep ``cos_cached``/``sin_cached`` in every attention layer.
+
+transformers 4.44 gives each attention module its own rotary module whose ``_set_cos_sin_cache``
+registers ``inv_freq``, ``cos_cached`` and ``sin_cached`` (all ``persistent=False``) and registers them
+anew in ``forward`` when a sequence is longer than the cache. transformers 5 (the ``test`` extra) moved
+RoPE to one module at model level, so these models need transformers 4.44.2 in an environment of its
+own: ``pip install torch==2.13.0 && pip install -e '.[test-transformers4]'``, then
+``python -m pytest tests/test_transformers4.py`` (CI does this in a second venv). Elsewhere they skip.
+
+Ideal: per model one storage each for ``cos_cached`` and ``sin_cached`` (all layers have the same
+theta, dim and length), whatever the number of layers. ``inv_freq`` is read only where a cache is
+regrown, so it keeps one storage per layer until a compiled graph regrows the caches.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import pytest
+import torch
+from real_models import unique_storages
+from torch._dynamo.testing import CompileCounterWithBackend
+
+from rope_dedup import RopeDedupBackend
+
+transformers = pytest.importorskip("transformers")
+if not transformers.__version__.startswith("4."):
+    pytest.skip(f"needs transformers 4.x (per-attention caches), found {transformers.__version__}: "
+                f"see this file's docstring", allow_module_level=True)
+transformers.logging.set_verbosity_error()
+
+LAYERS = 2
+MAX_POSITIONS = 64
+COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS,
+              num_attention_heads=4, max_position_embeddings=MAX_POSITIONS, use_cache=False)
+
+
+def _model(config_name: str, model_name: str, **extra) -> Callable[[], torch.nn.Module]:
+    def build() -> torch.nn.Module:
+        config = getattr(transformers, config_name)(**COMMON, **extra)
+        torch.manual_seed(0)
+        return getattr(transformers, model_name)(config).eval()
+    return build
+
+
+MODELS = {
+    "qwen2": _model("Qwen2Config", "Qwen2ForCausalLM", num_key_value_heads=2),
+    "stablelm": _model("StableLmConfig", "StableLmForCausalLM", num_key_value_heads=2),
+    "starcoder2": _model("Starcoder2Config", "Starcoder2ForCausalLM", num_key_value_heads=2),
+    "persimmon": _model("PersimmonConfig", "PersimmonForCausalLM"),
+    "mixtral": _model("MixtralConfig", "MixtralForCausalLM", num_key_value_heads=2, num_local_experts=2,
+                      num_experts_per_tok=2),
+}
+
+
+def rope_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
+    return [getattr(layer.self_attn.rotary_emb, name) for layer in model.model.layers
+            for name in ("inv_freq", "cos_cached", "sin_cached")]
+
+
+def tokens(seq: int) -> torch.Tensor:
+    return torch.randint(0, 128, (2, seq), generator=torch.Generator().manual_seed(seq))
+
+
+def run(model: torch.nn.Module, backend, lengths) -> tuple[list[tuple[torch.Tensor, int]], int]:
+    """(logits, RoPE storages) after each call, and the frames compiled."""
+    counter = CompileCounterWithBackend(backend)
+    compiled = torch.compile(model, backend=counter)
+    out = []
+    with torch.no_grad():
+        for seq in lengths:
+            out.append((compiled(tokens(seq)).logits, unique_storages(rope_tensors(model))))
+    return out, counter.frame_count
+
+
+# Two calls within the cache, then a sequence longer than it: the graph re-registers every layer's cache
+# (one copy per layer until a graph reads them), and the next call shares them again.
+LENGTHS = (16, 16, MAX_POSITIONS + 16, MAX_POSITIONS + 16)
+
+
+@pytest.mark.parametrize("name, inner", [(name, "eager") for name in sorted(MODELS)] + [("qwen2", "aot_eager")])
+def test_per_attention_caches_share_and_regrown_ones_share_again(name: str, inner: str) -> None:
+    plain, plain_frames = run(MODELS[name](), inner, LENGTHS)
+    torch._dynamo.reset()
+    model = MODELS[name]()
+    assert unique_storages(rope_tensors(model)) == 3 * LAYERS
+    backend = RopeDedupBackend(inner)
+    got, frames = run(model, backend, LENGTHS)
+    for (logits, _), (want, _) in zip(got, plain):
+        torch.testing.assert_close(logits, want, rtol=0, atol=0)
+    assert [storages for _, storages in plain] == [3 * LAYERS] * len(LENGTHS)
+    # cos and sin shared, inv_freq unread; the regrowing graph reads inv_freq (shared from then on) and
+    # registers new caches, one per layer; the next call reads and shares them.
+    assert [storages for _, storages in got] == [2 + LAYERS, 2 + LAYERS, 1 + 2 * LAYERS, 3]
+    assert frames == plain_frames
+    report = backend.report_for(model)
+    assert not report.departed  # every regrown cache was shared again under its own path
+    assert not [s for s in report.skipped if "rotary_emb" in s.path]
+    shared = sorted(m for g in report.groups for m in g.members)
+    assert shared == sorted(f"model.layers.{i}.self_attn.rotary_emb.{t}" for i in range(LAYERS)
+                            for t in ("inv_freq", "cos_cached", "sin_cached"))
+
+
+def test_generate_past_max_positions_reports_the_regrown_caches() -> None:
+    """``generate`` with transformers 4.44's DynamicCache recompiles on every step (its token counter is
+    a static int to dynamo) until the recompile limit, with or without rope_dedup; from then on forward
+    runs eagerly and regrows the caches where no backend sees them. The report says so."""
+    reference = MODELS["qwen2"]()
+    model = MODELS["qwen2"]()
+    backend = RopeDedupBackend("eager")
+    model.forward = torch.compile(model.forward, backend=backend)
+    prompt = tokens(MAX_POSITIONS - 8)[:1]
+    with torch.no_grad():
+        got = model.generate(prompt, max_new_tokens=16, do_sample=False, use_cache=True)
+        want = reference.generate(prompt, max_new_tokens=16, do_sample=False, use_cache=True)
+    assert torch.equal(got, want)
+    report = backend.report_for(model)
+    departed = {d.path: d for d in report.departed}
+    assert sorted(departed) == sorted(f"model.layers.{i}.self_attn.rotary_emb.{t}" for i in range(LAYERS)
+                                      for t in ("cos_cached", "sin_cached"))
+    assert all(d.replaced and d.key.length == MAX_POSITIONS for d in departed.values())
+    assert "replaced by a tensor with its own storage" in str(report)
+
+
+def train(model: torch.nn.Module, backend, steps: int = 2) -> tuple[list[torch.Tensor], list[dict], int]:
+    """Losses, gradients per step and table storages after ``steps`` AdamW steps of the compiled model."""
+    compiled = torch.compile(model, backend=backend)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    losses, grads = [], []
+    for step in range(steps):
+        ids = tokens(16 + step)
+        optimizer.zero_grad(set_to_none=True)
+        loss = compiled(input_ids=ids, labels=ids).loss
+        loss.backward()
+        losses.append(loss.detach())
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+        optimizer.step()
+    return losses, grads, unique_storages([t for t in rope_tensors(model) if t.dim() > 1])
+
+
+def test_training_under_inductor_is_bitwise_equal_to_inductor_alone() -> None:
+    """Persimmon in train mode: with each layer's placeholders redirected to one table node, inductor
+    fused the rotary backward with the q/k layernorm backward differently and every gradient moved by up
+    to 2e-7; with the tables shared in memory only, kernels, losses and gradients are inductor's own."""
+    def persimmon() -> torch.nn.Module:
+        return MODELS["persimmon"]().train()  # dropout probabilities are 0: deterministic
+
+    want_losses, want_grads, plain_storages = train(persimmon(), "inductor")
+    torch._dynamo.reset()
+    losses, grads, storages = train(persimmon(), RopeDedupBackend("inductor"))
+    assert (plain_storages, storages) == (2 * LAYERS, 2)
+    for got, want in zip(losses, want_losses):
+        assert torch.equal(got, want)
+    for step, (got, want) in enumerate(zip(grads, want_grads)):
+        differ = [name for name in want if not torch.equal(got[name], want[name])]
+        assert not differ, f"step {step}: {len(differ)} of {len(want)} gradients differ, e.g. {differ[:3]}"
