@@ -20,6 +20,9 @@ LAYOUTS = ("cos_sin", "hf_halves", "titan_cos_sin", "complex", "stacked", "gptj"
 # ``from_inv_freq`` from an ``inv_freq`` buffer and positions, HF style. Kept apart from LAYOUTS, whose
 # users expect every layer to hold a table.
 COMPUTED_LAYOUTS = ("computed", "from_inv_freq")
+# A cache written by the forward that first needs its rows, then only read (rotary-embedding-torch's
+# ``cached_freqs`` with its fill count): shared while read. Kept apart too: it is zeros until a forward.
+FILLED_LAYOUTS = ("filled_cache",)
 SCALINGS = (None, "linear", "ntk", "llama3", "yarn")
 
 
@@ -36,8 +39,9 @@ class RopeSpec:
     factor: float = 4.0
 
     def __post_init__(self) -> None:
-        if self.layout not in LAYOUTS + COMPUTED_LAYOUTS:
-            raise ValueError(f"unknown layout {self.layout!r}; choose from {', '.join(LAYOUTS + COMPUTED_LAYOUTS)}")
+        known = LAYOUTS + COMPUTED_LAYOUTS + FILLED_LAYOUTS
+        if self.layout not in known:
+            raise ValueError(f"unknown layout {self.layout!r}; choose from {', '.join(known)}")
         if self.scaling not in SCALINGS:
             raise ValueError(f"unknown scaling {self.scaling!r}; choose from {SCALINGS}")
 
@@ -119,6 +123,11 @@ class Rope(nn.Module):
             self.register_buffer("cached_freqs", torch.zeros(spec.max_len, self.dim // 2, dtype=dtype),
                                  persistent=False)
             self.register_buffer("freqs", freqs, persistent=False)
+        elif layout == "filled_cache":
+            self.register_buffer("filled_freqs", torch.zeros(spec.max_len, self.dim // 2, dtype=dtype),
+                                 persistent=False)
+            self.register_buffer("freqs", freqs, persistent=False)
+            self.filled = 0  # rows written so far: a Python int, so dynamo guards on it
         elif layout == "from_inv_freq":
             # HF's rotary embedding: a float32 inv_freq buffer, the table rebuilt from it on every call.
             self.register_buffer("inv_freq", freqs, persistent=False)
@@ -158,6 +167,12 @@ class Rope(nn.Module):
             angles = torch.outer(torch.arange(seq, device=self.inv_freq.device, dtype=torch.float32),
                                  self.inv_freq.float())
             cos, sin = angles.cos(), angles.sin()
+        elif layout == "filled_cache":
+            if seq > self.filled:
+                angles = torch.outer(torch.arange(seq, device=self.freqs.device, dtype=torch.float32), self.freqs)
+                self.filled_freqs[:seq] = angles.to(self.filled_freqs.dtype)
+                self.filled = seq
+            cos, sin = self.filled_freqs[:seq].float().cos(), self.filled_freqs[:seq].float().sin()
         else:
             angles = torch.outer(torch.arange(seq, device=self.freqs.device, dtype=torch.float32), self.freqs)
             self.cached_freqs[:seq] = angles.to(self.cached_freqs.dtype)
