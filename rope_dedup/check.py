@@ -58,11 +58,11 @@ def check_table(applied: AppliedTable, spec: RopeSpec) -> list[Mismatch]:
     inv_freq, amplitude = spec.frequencies(found.dim, int(positions.max()) + 1)
     angles = positions[:, None] * inv_freq
     tolerance = value_tolerance(applied.dtype, amplitude, angles)
-    mismatches = []
-    applied_amplitude = applied.table.amplitude
     excess, worst, error = _excess(applied, angles, amplitude, amplitude, tolerance)
     if excess <= 0:
         return []
+    mismatches = []
+    applied_amplitude = applied.table.amplitude
     # Amplitude first, on its own: values rescaled to the expected amplitude then show the frequencies alone.
     if abs(applied_amplitude - amplitude) > float(tolerance.min()):
         mismatches.append(Mismatch(layer, "attention_factor", _g(amplitude), _g(applied_amplitude), worst, error))

@@ -362,8 +362,9 @@ def _print_explanation(explanation, console) -> None:
     if applied:
         caption = ("* differs from the expectation (mismatches below)" if explanation.judged
                    else "* differs from most layers")
-        table = Table(*explanation.applied_columns(), title="tables each layer applies", title_justify="left",
-                      caption=caption)
+        table = Table(title="tables each layer applies", title_justify="left", caption=caption)
+        for column in explanation.applied_columns():  # long sources and specs fold rather than end in "…"
+            table.add_column(column, overflow="fold")
         _add_rows(table, applied)
         console.print(table)
     for line in explanation.notes():

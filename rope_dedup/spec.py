@@ -89,11 +89,10 @@ class Scaling:
         return cls(kind, **parameters)
 
     def __str__(self) -> str:
-        shown = [f"{name}={_number(getattr(self, name))}" for name in _CLI_PARAMETERS.get(self.type, ("factor",))
-                 if getattr(self, name) is not None]
+        """The command line's form: ``llama3:8:1:4:8192``, ``yarn:4:4096:32:1``, ``linear:4``."""
         if self.type == "longrope":
-            shown.append(f"original_max_position_embeddings={self.original_max_position_embeddings}")
-        return " ".join([self.type, *shown])
+            return f"longrope (original {self.original_max_position_embeddings})"
+        return ":".join([self.type, *(_number(getattr(self, name)) for name in _CLI_PARAMETERS[self.type])])
 
 
 @dataclass(frozen=True)
