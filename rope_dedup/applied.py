@@ -34,7 +34,7 @@ class AppliedTable:
     """A RoPE table one layer applied: where it came from, what it encodes, its values by position."""
 
     layer: str  # "model.layers.5": the module path of the multiply, up to its first numeric component
-    source: str  # "computed in forward by model.rotary_emb from model.rotary_emb.inv_freq (float32)"
+    source: str  # "computed in model.rotary_emb from model.rotary_emb.inv_freq (float32)", or a buffer's path
     table: RopeTable  # what recognition measured
     key: RopeKey
     parts: dict[str, torch.Tensor]  # "cos" / "sin" / "angle" -> (positions, dim/2) float64 values
@@ -168,7 +168,7 @@ class _Interpreter(torch.fx.Interpreter):
         trig = next((n for n in ancestors if n in self.angle_dtypes), None)
         states = [self.state[n] for n in ancestors if n in self.state]
         if trig is not None:
-            source = f"computed in forward by {module_path(trig)}" + (f" from {', '.join(states)}" if states else "")
+            source = f"computed in {module_path(trig) or 'forward'}" + (f" from {', '.join(states)}" if states else "")
         else:
             source = ", ".join(states) or "a forward input"
         self.candidates.append(_Candidate(
