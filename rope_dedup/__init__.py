@@ -4,17 +4,20 @@
 compiled graphs read, keys it by (theta, dim, length, dtype, device, layout, scaling), verifies equal
 content, and leaves one storage per distinct table; :func:`dedup_rope` does the same for a plain
 ``torch.fx.GraphModule`` and :func:`dedup_exported` for a ``torch.export`` program. Every tensor
-examined ends up shared or skipped with a reason in the report.
+examined ends up shared or skipped with a reason in the report. :func:`explain` audits which RoPE each
+attention layer applies, and with ``expect=RopeSpec(...)`` or ``expect="config"`` checks it.
 """
 
 from rope_dedup.passes.dedup_rope import RopeDedupResult, dedup_rope
 from rope_dedup.backend import RopeDedupBackend, rope_dedup_backend
+from rope_dedup.check import RopeMismatch
 from rope_dedup.config import RopeDedupConfig
 from rope_dedup.explain import Explanation, explain
 from rope_dedup.export import dedup_exported
 from rope_dedup.keys import RopeKey, infer_key
 from rope_dedup.recognize import NotRope, RopeTable, recognize_rope_table
 from rope_dedup.report import DedupReport, Group, Skip
+from rope_dedup.spec import RopeSpec
 from rope_dedup.store import CanonicalStore
 from rope_dedup.tracing import symbolic_trace
 from rope_dedup.unshare import unshare
@@ -29,6 +32,8 @@ __all__ = [
     "RopeDedupConfig",
     "RopeDedupResult",
     "RopeKey",
+    "RopeMismatch",
+    "RopeSpec",
     "RopeTable",
     "Skip",
     "dedup_exported",

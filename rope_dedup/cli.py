@@ -97,6 +97,11 @@ def _parser() -> argparse.ArgumentParser:
                     "(model, example_inputs), run one forward through a dry-run rope_dedup backend and print "
                     "per layer the tables found, their inferred keys, the share groups and every skip.")
     a.add_argument("factory", metavar="MODULE:FACTORY", help="e.g. examples/audit.py:build or my_pkg.models:build")
+    a.add_argument("--expect", metavar="SPEC",
+                   help="what every layer should apply: 'config' (the model's transformers config) or "
+                        "theta=5e5[,dim=64][,scaling=TYPE:PARAMS][,attention_factor=1.2], scaling one of "
+                        "linear:FACTOR, dynamic:FACTOR:ORIGINAL_MAX, llama3:FACTOR:LOW:HIGH:ORIGINAL_MAX, "
+                        "yarn:FACTOR:ORIGINAL_MAX[:BETA_FAST:BETA_SLOW]; exit 1 if any layer differs")
     return parser
 
 
@@ -305,7 +310,12 @@ def _bytes_or_dash(value: int | None) -> str:
 
 def _audit(args: argparse.Namespace, console) -> int:
     from rope_dedup.explain import explain
+    from rope_dedup.spec import SpecError, parse_spec
 
+    try:
+        expect = None if args.expect is None else "config" if args.expect == "config" else parse_spec(args.expect)
+    except SpecError as error:
+        raise BadInput(str(error)) from None
     with _bad_factory():
         factory = load_factory(args.factory)
     try:
@@ -316,12 +326,14 @@ def _audit(args: argparse.Namespace, console) -> int:
     with _bad_factory():
         model, inputs = model_and_inputs(built, args.factory)
     try:
-        explanation = explain(model, *inputs)
+        explanation = explain(model, *inputs, expect=expect)
+    except SpecError as error:  # --expect config on a model whose config lacks a field
+        raise BadInput(str(error)) from None
     except Exception as error:
         print(f"rope-dedup audit: error: the dry run failed: {prof.describe_error(error)[0]}", file=sys.stderr)
         return RUN_ERROR
     _print_explanation(explanation, console)
-    return 0
+    return RUN_ERROR if explanation.mismatches else 0
 
 
 @contextlib.contextmanager
@@ -336,15 +348,39 @@ def _bad_factory():
 def _print_explanation(explanation, console) -> None:
     from rich.table import Table
 
+    from rope_dedup.check import MISMATCH_COLUMNS
     from rope_dedup.explain import COLUMNS
 
     console.print(explanation.headline(), highlight=False)
-    if explanation.layers:
-        table = Table(*COLUMNS, caption="* key differs from most layers; one group letter = identical content")
-        for odd, cells in explanation.rows():
-            if cells[0] and table.row_count:  # a rule between layers
-                table.add_section()
-            table.add_row(*cells, style="bold yellow" if odd else None)
+    owned = explanation.rows()
+    if owned:
+        table = Table(*COLUMNS, title="tables each layer holds", title_justify="left",
+                      caption="* key differs from most layers; one group letter = identical content")
+        _add_rows(table, owned)
+        console.print(table)
+    applied = explanation.applied_rows()
+    if applied:
+        caption = ("* differs from the expectation (mismatches below)" if explanation.judged
+                   else "* differs from most layers")
+        table = Table(title="tables each layer applies", title_justify="left", caption=caption)
+        for column in explanation.applied_columns():  # long sources and specs fold rather than end in "…"
+            table.add_column(column, overflow="fold")
+        _add_rows(table, applied)
         console.print(table)
     for line in explanation.notes():
         console.print(line, style="bold yellow" if line.startswith("* ") else None, markup=False, highlight=False)
+    if explanation.mismatches:
+        table = Table(*MISMATCH_COLUMNS, title=f"{len(explanation.mismatches)} mismatch(es) with the expectation",
+                      title_justify="left", title_style="bold red")
+        for mismatch in explanation.mismatches:
+            table.add_row(*mismatch.cells(), style="red")
+        console.print(table)
+    elif explanation.judged:
+        console.print("every layer applies the expected RoPE", style="green", highlight=False)
+
+
+def _add_rows(table, rows: list[tuple[bool, tuple[str, ...]]]) -> None:
+    for flagged, cells in rows:
+        if cells[0] and table.row_count:  # a rule between layers
+            table.add_section()
+        table.add_row(*cells, style="bold yellow" if flagged else None)

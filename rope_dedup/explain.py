@@ -1,8 +1,10 @@
 """The RoPE audit: what each layer's tables encode, which would share, and what was left alone and why.
 
-:func:`explain` compiles the model once with a dry-run backend (nothing is aliased or rewritten) and
-arranges the report by layer, so that a user sees at a glance that layer 5 uses theta 1e6 while the
-others use 1e4, or that a theta they configured never reached the tables.
+:func:`explain` compiles the model once with a dry-run backend (nothing is aliased or rewritten), runs
+the graphs once through :class:`~rope_dedup.applied.TableCapture` to see the tables each attention layer
+actually applies (its own, passed down from model level, or computed in forward), and arranges both by
+layer: a user sees at a glance that layer 5 uses theta 1e6 while the others use 1e4. Told what was
+intended (``expect=``), it judges every layer against that, by value, and names what differs.
 """
 
 from __future__ import annotations
@@ -15,14 +17,19 @@ from typing import Any, Callable
 
 import torch
 
+from rope_dedup.applied import AppliedTable, TableCapture, layer_of
 from rope_dedup.backend import RopeDedupBackend
+from rope_dedup.check import MISMATCH_COLUMNS, Mismatch, RopeMismatch, check_table
 from rope_dedup.keys import RopeKey
 from rope_dedup.report import DedupReport, Skip, format_bytes, format_table, tensor_paths
+from rope_dedup.spec import Expectation, RopeSpec, expectation_for
 
 log = logging.getLogger("rope_dedup")
 
 _KEY_FIELDS = tuple(f.name for f in fields(RopeKey))
 COLUMNS = ("layer", "table", "group", *_KEY_FIELDS)
+APPLIED_COLUMNS = ("layer", "applies", "from", "theta", "dim", "scaling", "amplitude", "dtype", "positions")
+EXPECTED_COLUMNS = ("expected", "status")
 
 
 @dataclass(frozen=True)
@@ -37,11 +44,14 @@ class TableRow:
 
 @dataclass(frozen=True)
 class LayerRow:
-    """A layer's tables, and how its keys differ from the majority of layers (empty when they don't)."""
+    """A layer's own tables, the tables it applies, what was expected of it, and how its keys differ from
+    the majority of layers (empty when they don't, when layers follow a pattern, or with an expectation)."""
 
     layer: str
     tables: tuple[TableRow, ...]
     differs: tuple[str, ...]
+    applied: tuple[AppliedTable, ...] = ()
+    expected: RopeSpec | None = None  # None: no expectation, or none for this layer
 
     @property
     def odd(self) -> bool:
@@ -58,15 +68,56 @@ class Explanation:
     parameters_skipped: int  # parameters (weights) skipped: counted, not listed; reasons in report.skipped
     unread: tuple[str, ...]  # buffers and tensor attributes no compiled graph read: not examined
     report: DedupReport
+    mismatches: tuple[Mismatch, ...] = ()  # with an expectation: every way a layer differs from it
+    pattern: str | None = None  # without one: a regular mix of tables (every k-th layer), described
+    judged: bool = False  # whether an expectation was given
 
     @property
     def odd_layers(self) -> list[LayerRow]:
         return [row for row in self.layers if row.odd]
 
+    @property
+    def applied(self) -> list[AppliedTable]:
+        """Every table applied, layer by layer."""
+        return [table for row in self.layers for table in row.applied]
+
+    def check(self) -> None:
+        """Raise :class:`~rope_dedup.RopeMismatch` (a readable table) if any layer differs from the expectation."""
+        if self.mismatches:
+            raise RopeMismatch(list(self.mismatches))
+
     def headline(self) -> str:
         tables = sum(len(row.tables) for row in self.layers)
-        return (f"RoPE audit: {tables} table(s) in {len(self.layers)} layer(s), {len(self.groups)} distinct; "
-                f"sharing would take {format_bytes(self.report.bytes_before)} -> {format_bytes(self.report.bytes_after)}")
+        applying = sum(1 for row in self.layers if row.applied)
+        if not tables and not applying:
+            return "RoPE audit: no RoPE table found (none held by the model, none applied in its forward)"
+        line = (f"RoPE audit: {tables} table(s) in {len(self.layers)} layer(s), {len(self.groups)} distinct; "
+                f"sharing would take {format_bytes(self.report.bytes_before)} -> {format_bytes(self.report.bytes_after)}; "
+                f"{applying} layer(s) apply RoPE")
+        if self.judged:
+            line += f"; {len(self.mismatches)} mismatch(es) with the expectation"
+        return line
+
+    def applied_columns(self) -> tuple[str, ...]:
+        """Columns of :meth:`applied_rows`."""
+        return APPLIED_COLUMNS + (EXPECTED_COLUMNS if self.judged else ())
+
+    def applied_rows(self) -> list[tuple[bool, tuple[str, ...]]]:
+        """(layer mismatches or differs, cells under :meth:`applied_columns`) per applied table."""
+        wrong = {m.layer: m.field for m in self.mismatches}
+        rows = []
+        for row in self.layers:
+            for i, table in enumerate(row.applied):
+                bad = row.layer in wrong or row.odd
+                cells = [(row.layer + (" *" if bad else "")) if i == 0 else "", table.kinds, table.source,
+                         _cell("theta", table.key.theta), str(table.key.dim), table.key.scaling or "-",
+                         f"{table.table.amplitude:.4g}", _dtypes(table), table.span]
+                if self.judged:
+                    status = f"MISMATCH: {wrong[row.layer]}" if row.layer in wrong else (
+                        "ok" if row.expected is not None else "not judged")
+                    cells += [str(row.expected) if row.expected is not None else "-", status]
+                rows.append((bad, tuple(cells)))
+        return rows
 
     def rows(self) -> list[tuple[bool, tuple[str, ...]]]:
         """(layer differs from the majority, cells under :data:`COLUMNS`) per table; the layer named once."""
@@ -81,6 +132,8 @@ class Explanation:
         """What follows the table: odd layers (lines starting with ``*``), groups, warnings, skips."""
         report = self.report
         lines = [f"* {row.layer} differs from most layers: {'; '.join(row.differs)}" for row in self.odd_layers]
+        if self.pattern:
+            lines.append(self.pattern)
         if self.groups:
             lines.append("groups (identical content; the tables of a group would share one storage):")
             lines += [f"  {letter}: " + (f"{len(members)} tables in {', '.join(layers_of(members))}"
@@ -99,26 +152,43 @@ class Explanation:
         return lines
 
     def __str__(self) -> str:
-        table = format_table([COLUMNS] + [cells for _, cells in self.rows()]) if self.layers else []
-        return "\n".join([self.headline(), *table, *self.notes()])
+        owned = [cells for _, cells in self.rows()]
+        applied = [cells for _, cells in self.applied_rows()]
+        lines = [self.headline()]
+        if owned:
+            lines += ["tables each layer holds:", *format_table([COLUMNS] + owned)]
+        if applied:
+            lines += ["tables each layer applies:", *format_table([self.applied_columns()] + applied)]
+        lines += self.notes()
+        if self.mismatches:
+            lines += [f"{len(self.mismatches)} mismatch(es) with the expectation:",
+                      *format_table([MISMATCH_COLUMNS] + [m.cells() for m in self.mismatches])]
+        return "\n".join(lines)
 
 
-def explain(model: torch.nn.Module, *example_inputs: Any, **example_kwargs: Any) -> Explanation:
+def explain(model: torch.nn.Module, *example_inputs: Any, expect: Expectation | None = None,
+            **example_kwargs: Any) -> Explanation:
     """Audit ``model``'s RoPE tables with one dry-run forward: shares nothing, rewrites nothing.
 
     The forward runs once under ``torch.no_grad()`` through ``torch.compile`` with a dry-run
-    :class:`RopeDedupBackend` (inner ``eager``), so what the audit sees is what the pass would see.
+    :class:`RopeDedupBackend` (inner ``eager``), so what the audit sees is what the pass would see; the
+    graphs run through an interpreter that records the tables each layer applies. ``expect`` (a
+    :class:`~rope_dedup.RopeSpec`, a mapping from layer-name pattern to one, a callable ``layer -> RopeSpec
+    | None`` or ``"config"``) is what every layer should apply: ``.mismatches`` lists what differs.
     """
+    judge = expectation_for(expect, model) if expect is not None else None  # bad input fails before the run
     backend = RopeDedupBackend(inner="eager", dry_run=True)
+    capture = TableCapture(backend, model)
     with torch.no_grad():
         caller = _fresh_caller(model, len(example_inputs), list(example_kwargs))
-        torch.compile(caller, backend=backend)(*example_inputs, **example_kwargs)
+        torch.compile(caller, backend=capture)(*example_inputs, **example_kwargs)
     if backend.graphs_compiled == 0:
         raise RuntimeError("torch.compile traced no graph of this model (it ran eagerly), so there is nothing "
                            "to audit; TORCH_LOGS=graph_breaks,recompiles shows why")
-    explanation = _arrange(backend.report_for(model), model)
-    log.info("rope_dedup: audit: %d layer(s), %d distinct table(s), %d layer(s) differ from the majority",
-             len(explanation.layers), len(explanation.groups), len(explanation.odd_layers))
+    explanation = _arrange(backend.report_for(model), model, capture.tables(), judge)
+    log.info("rope_dedup: audit: %d layer(s), %d distinct table(s), %d layer(s) differ from the majority, "
+             "%d mismatch(es) with the expectation", len(explanation.layers), len(explanation.groups),
+             len(explanation.odd_layers), len(explanation.mismatches))
     return explanation
 
 
@@ -148,17 +218,37 @@ def _fresh_caller(model: torch.nn.Module, arity: int, keywords: list[str]) -> Ca
     return namespace["bind"](model)
 
 
-def _arrange(report: DedupReport, model: torch.nn.Module) -> Explanation:
+def _arrange(report: DedupReport, model: torch.nn.Module, applied: list[AppliedTable],
+             judge: Callable[[str], RopeSpec | None] | None) -> Explanation:
     letters = [_letter(i) for i in range(len(report.groups))]
     by_layer: dict[str, list[TableRow]] = {}
     for letter, group in zip(letters, report.groups):
         for member in group.members:
             layer, name = split_layer(member)
             by_layer.setdefault(layer, []).append(TableRow(layer, name, group.key, letter))
-    signatures = {layer: _signature(rows) for layer, rows in by_layer.items()}
-    majority = Counter(signatures.values()).most_common(1)[0][0] if signatures else ()
-    layers = tuple(LayerRow(layer, tuple(sorted(rows, key=lambda r: r.name)), _differences(rows, majority))
-                   for layer, rows in sorted(by_layer.items(), key=lambda item: _natural(item[0])))
+    applied_by_layer: dict[str, list[AppliedTable]] = {}
+    for table in applied:
+        applied_by_layer.setdefault(table.layer, []).append(table)
+    names = sorted(set(by_layer) | set(applied_by_layer), key=_natural)
+    # Layers are compared by what they apply when anything was seen applied, else by what they hold.
+    if applied_by_layer:
+        signatures = {layer: _signature((t.kinds, t.key) for t in tables) for layer, tables in applied_by_layer.items()}
+    else:
+        signatures = {layer: _signature((r.name, r.key) for r in rows) for layer, rows in by_layer.items()}
+    differs, pattern = ({}, None) if judge is not None else _compare_layers(
+        [layer for layer in names if layer in signatures], signatures)
+    expected = {layer: judge(layer) for layer in applied_by_layer} if judge is not None else {}
+    layers = tuple(LayerRow(layer, tuple(sorted(by_layer.get(layer, []), key=lambda r: r.name)),
+                            differs.get(layer, ()), tuple(applied_by_layer.get(layer, [])), expected.get(layer))
+                   for layer in names)
+    mismatches: dict[tuple[str, str], Mismatch] = {}
+    for table in applied:
+        spec = expected.get(table.layer)
+        for mismatch in check_table(table, spec) if spec is not None else ():
+            mismatches.setdefault((mismatch.layer, mismatch.field), mismatch)  # cos and sin say the same
+    if judge is not None and not applied:
+        mismatches[("(model)", "rope")] = Mismatch("(model)", "rope", "RoPE applied in attention layers",
+                                                   "no RoPE table applied", None)
     parameters = {name for name, _ in model.named_parameters(remove_duplicate=False)}
     skipped = tuple(s for s in report.skipped if s.path not in parameters)
     seen = {m for g in report.groups for m in g.members} | {s.path for s in report.skipped}
@@ -170,16 +260,17 @@ def _arrange(report: DedupReport, model: torch.nn.Module) -> Explanation:
         parameters_skipped=len(report.skipped) - len(skipped),
         unread=unread,
         report=report,
+        mismatches=tuple(mismatches.values()),
+        pattern=pattern,
+        judged=judge is not None,
     )
 
 
 def split_layer(path: str) -> tuple[str, str]:
     """``layers.5.attention.rope.cos`` -> (``layers.5``, ``attention.rope.cos``); no index: (owner, attribute)."""
-    parts = path.split(".")
-    for i, part in enumerate(parts[:-1]):
-        if part.isdigit():
-            return ".".join(parts[: i + 1]), ".".join(parts[i + 1:])
-    return ".".join(parts[:-1]) or "(model)", parts[-1]
+    owner, _, attribute = path.rpartition(".")
+    layer = layer_of(owner)
+    return layer, path[len(layer) + 1:] if path.startswith(layer + ".") else attribute
 
 
 def layers_of(paths: tuple[str, ...] | list[str]) -> list[str]:
@@ -202,24 +293,56 @@ def _cell(name: str, value: Any) -> str:
     return str(value)
 
 
-def _signature(rows: list[TableRow]) -> tuple:
-    return tuple(sorted((row.name, row.key) for row in rows))
+def _signature(tables) -> tuple:
+    """What a layer's tables are, as sorted (name, key) pairs: layers with equal signatures are alike."""
+    return tuple(sorted(tables, key=lambda item: (item[0], str(item[1]))))
 
 
-def _differences(rows: list[TableRow], majority: tuple) -> tuple[str, ...]:
-    """Key fields whose values in this layer are not the majority's, e.g. ``theta 1e+06 (most layers: 10000)``."""
-    if _signature(rows) == majority:
-        return ()
+def _compare_layers(layers: list[str], signatures: dict[str, tuple]) -> tuple[dict[str, tuple[str, ...]], str | None]:
+    """Layers that differ from the majority, or, for a regular mix, a description of the pattern instead.
+
+    A mix that repeats every k layers for at least two periods (Gemma 3's 5 local : 1 global), or one
+    with no majority at all (ModernBERT's 2 + 2), is by design as often as not: described, nobody marked.
+    """
+    sequence = [signatures[layer] for layer in layers]
+    counts = Counter(sequence).most_common()
+    if len(counts) < 2:
+        return {}, None
+    period = next((k for k in range(2, len(sequence) // 2 + 1)
+                   if all(sequence[i] == sequence[i + k] for i in range(len(sequence) - k))), None)
+    if period is None and counts[0][1] > counts[1][1]:
+        majority = counts[0][0]
+        return {layer: _differences(signatures[layer], majority, "most layers") for layer in layers
+                if signatures[layer] != majority}, None
+    reference = counts[0][0]
+    members = {sig: [layer for layer in layers if signatures[layer] == sig] for sig, _ in counts}
+    others = ", ".join(members[reference])
+    head = (f"layers follow a pattern that repeats every {period} layers (not marked as odd):" if period
+            else "no majority among the layers (not marked as odd):")
+    lines = [f"  {', '.join(members[sig])}: {'; '.join(_differences(sig, reference, others))}"
+             for sig, _ in counts[1:]]
+    return {}, "\n".join([head, *lines])
+
+
+def _differences(signature: tuple, reference: tuple, label: str) -> tuple[str, ...]:
+    """Key fields whose values here are not the reference's, e.g. ``theta 1e+06 (most layers: 10000)``."""
     differs = []
     for name in _KEY_FIELDS:
-        mine = {_cell(name, getattr(row.key, name)) for row in rows}
-        theirs = {_cell(name, getattr(key, name)) for _, key in majority}
+        mine = {_cell(name, getattr(key, name)) for _, key in signature}
+        theirs = {_cell(name, getattr(key, name)) for _, key in reference}
         if mine != theirs:
-            differs.append(f"{name} {', '.join(sorted(mine))} (most layers: {', '.join(sorted(theirs)) or 'none'})")
+            differs.append(f"{name} {', '.join(sorted(mine))} ({label}: {', '.join(sorted(theirs)) or 'none'})")
     if not differs:  # same keys, different tables: a layer with more, fewer or differently named tables
-        names = sorted(row.name for row in rows)
-        differs.append(f"tables {', '.join(names)} (most layers: {', '.join(name for name, _ in majority)})")
+        names = sorted(name for name, _ in signature)
+        differs.append(f"tables {', '.join(names)} ({label}: {', '.join(name for name, _ in reference)})")
     return tuple(differs)
+
+
+def _dtypes(table: AppliedTable) -> str:
+    dtype = _cell("dtype", table.dtype)
+    if table.angle_dtype is not None and table.angle_dtype != table.dtype:
+        dtype += f" (angles {_cell('dtype', table.angle_dtype)})"
+    return dtype
 
 
 def _letter(index: int) -> str:

@@ -321,17 +321,26 @@ def _rebuild_matches(parts: dict[str, torch.Tensor], freqs: torch.Tensor, amplit
         spaced = torch.linspace(0, length - 1, _CHECKED_ROWS, device=any_part.device).long()
         rows = torch.unique(torch.cat([spaced, rows[-16:]]))
     angles = rows.to(torch.float64)[:, None] * freqs
-    value_tol = 3 * eps * max(amplitude, 1.0)
     for name, part in parts.items():
         part = part[rows]
         if name == "angle":
-            ok = (part - angles).abs() <= value_tol * (1 + angles.abs()) + _ANGLE_REL_ERR * angles.abs()
+            ok = (part - angles).abs() <= 3 * eps * max(amplitude, 1.0) * (1 + angles.abs()) + _ANGLE_REL_ERR * angles.abs()
         else:
             rebuilt = amplitude * (torch.cos(angles) if name == "cos" else torch.sin(angles))
-            ok = (part - rebuilt).abs() <= value_tol + amplitude * (2 * _ANGLE_REL_ERR * angles + 2 * eps)
+            ok = (part - rebuilt).abs() <= _value_tolerance(eps, amplitude, angles)
         if not bool(ok.all()):
             return False
     return True
+
+
+def value_tolerance(dtype: torch.dtype, amplitude: float, angles: torch.Tensor) -> torch.Tensor:
+    """How far a cos/sin value of ``angles`` (float32 math, stored in ``dtype``) may sit from the exact one."""
+    return _value_tolerance(_eps(dtype), amplitude, angles)
+
+
+def _value_tolerance(eps: float, amplitude: float, angles: torch.Tensor) -> torch.Tensor:
+    # Rounding of the value to the dtype, plus a few float32 ulps of the angle p * f it was computed from.
+    return 3 * eps * max(amplitude, 1.0) + amplitude * (2 * _ANGLE_REL_ERR * angles.abs() + 2 * eps)
 
 
 def _from_inv_freq(x: torch.Tensor, eps: float, floor: float) -> RopeTable | NotRope:

@@ -165,6 +165,48 @@ def test_audit_of_a_dotted_module(tmp_path, monkeypatch, capsys) -> None:
     assert "* layers.2 differs from most layers: theta 1e+06" in capsys.readouterr().out
 
 
+CATCH = str(ROOT / "examples" / "catch_misconfiguration.py")
+
+
+def test_audit_with_an_expectation_exits_1_and_shows_expected_and_found(capsys) -> None:
+    assert main(["audit", f"{CATCH}:theta_ignored", "--expect", "theta=5e5"]) == 1
+    out = capsys.readouterr().out
+    assert "2 mismatch(es) with the expectation" in out
+    rows = [[cell.strip() for cell in line.split("│")[1:-1]] for line in out.splitlines() if line.startswith("│")]
+    assert ["layers.1", "theta", "500000", "10000", "13 (|Δ| 1.4)"] in rows  # the mismatch table
+    applied = next(row for row in rows if row[0] == "layers.1 *")  # the applied table: expected beside found
+    assert (applied[1], applied[3], applied[4], applied[-2:]) == ("cos+sin", "10000", "16",
+                                                                  ["theta=500000", "MISMATCH: theta"])
+
+
+def test_audit_expect_config_exits_0_on_a_correct_model_and_1_on_a_bug(capsys) -> None:
+    assert main(["audit", f"{CATCH}:llama3_correct", "--expect", "config"]) == 0
+    assert "every layer applies the expected RoPE" in capsys.readouterr().out
+    assert main(["audit", f"{CATCH}:llama3_dropped", "--expect", "config"]) == 1
+    out = capsys.readouterr().out
+    assert "│ model.layers.1 │ scaling │ llama3:32:1:4:8192 │ none  │ 15 (|Δ| 0.015) │" in out
+
+
+def test_audit_of_a_model_without_rope(tmp_path, monkeypatch, capsys) -> None:
+    (tmp_path / "plain.py").write_text(
+        "import torch\ndef build():\n    return torch.nn.Linear(4, 4), torch.randn(2, 4)\n")
+    monkeypatch.chdir(tmp_path)
+    assert main(["audit", "plain.py:build"]) == 0
+    assert "no RoPE table found" in capsys.readouterr().out
+    assert main(["audit", "plain.py:build", "--expect", "theta=1e4"]) == 1
+    assert "no RoPE table applied" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("expect, message", [
+    ("theta=5e5,scaling=rope2:4", "unknown scaling type 'rope2'"),
+    ("dim=64", "theta is missing"),
+    ("config", "expect='config' needs model.config"),
+])
+def test_bad_expectations_are_one_line_and_exit_2(expect, message, capsys) -> None:
+    assert main(["audit", str(ROOT / "examples" / "audit.py") + ":build", "--expect", expect]) == 2
+    assert message in one_error_line(capsys.readouterr().err, "rope-dedup audit")
+
+
 @pytest.mark.parametrize("spec, source, message, code", [
     ("no_colon", None, "expected MODULE:FACTORY", 2),
     ("surely_not_a_module:build", None, "cannot import surely_not_a_module: ModuleNotFoundError", 2),

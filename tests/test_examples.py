@@ -14,13 +14,22 @@ EXPECTED = {  # script -> lines its output must contain
     "regional_compile.py": ["graphs compiled: 1; 16 RoPE tensors now in 2 storages"],
     "local_global.py": ["12 RoPE tensors now in 4 storages", "theta=1e+06 cos: 2 layers share one table"],
     "audit.py": ["check layers.5: theta 10000 (most layers: 500000)"],
+    "catch_misconfiguration.py": [
+        "theta_ignored (bug): layers.1: theta: expected 500000, found 10000",
+        "llama3_dropped (bug): model.layers.0: scaling: expected llama3:32:1:4:8192, found none",
+        "yarn_attention_factor_dropped (bug): model.layers.0: attention_factor: expected 1.13863, found 1",
+        "partial_rotary_ignored (bug): model.layers.0: rotary_dim: expected 8, found 16",
+        "gemma3_local_global_swapped (bug): model.layers.0: theta: expected 10000, found 1e+06",
+        "inv_freq_in_bf16 (bug): model.layers.1: frequency dtype: expected float32, found bfloat16 (inv_freq rounded)",
+        "inv_freq_in_bf16 (fixed): every layer applies the expected RoPE"],
     "read_report.py": ["skipped: layers.4.attention.rope.cached_freqs: written in the graph"],
     "export_program.py": ["constants: 16 -> 2", "reloaded program equals eager"],
     "bench_computed_rope.py": ["fold+merge"],
     # 8 GPT-J layers, each a (16384, 32) float32 embed_positions: 7 of 8 copies freed.
     "profile_gptj.py": ["rope_dedup vs eager alone: RoPE storage 14.7 MB less"],
 }
-TAKES_INNER = {name for name in EXPECTED if name not in ("audit.py", "export_program.py", "bench_computed_rope.py")}
+TAKES_INNER = {name for name in EXPECTED
+               if name not in ("audit.py", "catch_misconfiguration.py", "export_program.py", "bench_computed_rope.py")}
 # The benchmark at a size that only checks it runs (its figures come from the full run, docs/benchmarks.md).
 ARGS = {"bench_computed_rope.py": ["--layers", "2", "--context", "256", "--seq", "16", "--rounds", "2",
                                    "--warmup", "1", "--inners", "eager", "--modes", "forward"]}

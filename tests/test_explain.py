@@ -11,17 +11,35 @@ from rope_dedup.explain import split_layer
 TOKENS = torch.randint(0, 64, (1, 8))
 
 
-def test_local_global_marks_the_global_layers_and_their_theta() -> None:
+def test_local_global_is_described_as_a_pattern_not_as_odd_layers() -> None:
     model = ToyDecoder(local_global(6, every=3, max_len=64))
     result = explain(model, TOKENS)
-    assert [row.layer for row in result.odd_layers] == ["layers.2", "layers.5"]
-    assert result.odd_layers[0].differs == ("theta 1e+06 (most layers: 10000)",)
+    assert result.odd_layers == []
+    assert result.pattern == ("layers follow a pattern that repeats every 3 layers (not marked as odd):\n"
+                              "  layers.2, layers.5: theta 1e+06 (layers.0, layers.1, layers.3, layers.4: 10000)")
     thetas = {row.layer: {t.key.theta for t in row.tables} for row in result.layers}
     assert thetas["layers.0"] == {1e4} and thetas["layers.5"] == {1e6}
+    assert {row.layer: {t.key.theta for t in row.applied} for row in result.layers} == thetas
     # cos and sin of the local layers, cos and sin of the global ones
     assert sorted(len(members) for members in result.groups.values()) == [2, 2, 4, 4]
     text = str(result)
-    assert "layers.2 *" in text and "* layers.5 differs from most layers: theta 1e+06" in text
+    assert result.pattern in text and " *" not in text
+
+
+def test_a_broken_pattern_marks_the_layer_that_breaks_it() -> None:
+    specs = local_global(6, every=3, max_len=64)
+    specs[4] = specs[5]  # a local layer given the global theta: no period any more, 3 local vs 3 global
+    result = explain(ToyDecoder(specs + [specs[0]] * 2), TOKENS)  # 5 local, 3 global: a majority
+    assert result.pattern is None
+    assert [row.layer for row in result.odd_layers] == ["layers.2", "layers.4", "layers.5"]
+    assert result.odd_layers[0].differs == ("theta 1e+06 (most layers: 10000)",)
+
+
+def test_no_majority_is_said_and_nobody_is_marked() -> None:
+    result = explain(ToyDecoder(homogeneous(1, max_len=64) + homogeneous(1, theta=1e6, max_len=64)), TOKENS)
+    assert result.odd_layers == []
+    assert result.pattern == ("no majority among the layers (not marked as odd):\n"
+                              "  layers.1: theta 1e+06 (layers.0: 10000)")
 
 
 def test_a_theta_that_never_reached_one_layer_is_flagged() -> None:

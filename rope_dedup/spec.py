@@ -1,0 +1,359 @@
+"""What a layer's RoPE is meant to be: :class:`RopeSpec`, its scaling, and the frequencies it implies.
+
+An expectation for :func:`rope_dedup.explain` is a ``RopeSpec`` for every layer, a mapping from layer-name
+pattern to ``RopeSpec``, a callable ``layer -> RopeSpec | None``, or ``"config"`` (the model's own
+transformers configuration). Whatever the form, it ends up as one function from layer name to
+expected frequencies and amplitude, which :mod:`rope_dedup.check` compares with what the layer applied.
+
+The formulas follow transformers' ``modeling_rope_utils`` (linear, dynamic NTK, llama3, YaRN, longrope)
+so that torch stays the only dependency; ``"config"`` uses transformers' own ``ROPE_INIT_FUNCTIONS``
+when transformers is installed, so the expectation is what the library itself would build.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+import re
+from dataclasses import dataclass, field, fields
+from typing import Any, Callable, Mapping, Union
+
+import torch
+
+SCALING_TYPES = ("linear", "dynamic", "llama3", "yarn", "longrope")
+# Parameters each scaling type cannot do without (the others have transformers' defaults).
+_REQUIRED = {
+    "linear": ("factor",),
+    "dynamic": ("factor", "original_max_position_embeddings"),
+    "llama3": ("factor", "original_max_position_embeddings"),
+    "yarn": ("factor", "original_max_position_embeddings"),
+    "longrope": ("short_factor", "long_factor", "original_max_position_embeddings"),
+}
+# ``--expect scaling=TYPE:A:B...``: the positional parameters of each type, in this order.
+_CLI_PARAMETERS = {
+    "linear": ("factor",),
+    "dynamic": ("factor", "original_max_position_embeddings"),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "yarn": ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow"),
+}
+
+
+class SpecError(ValueError):
+    """An expectation that cannot be used (unknown scaling, missing config field); the message names it."""
+
+
+@dataclass(frozen=True)
+class Scaling:
+    """A RoPE scaling variant with transformers' parameter names and defaults.
+
+    ``type`` is one of linear, dynamic (NTK, applied past ``original_max_position_embeddings``), llama3,
+    yarn or longrope; each uses the parameters its name in transformers' ``rope_parameters`` says.
+    """
+
+    type: str
+    factor: float | None = None
+    original_max_position_embeddings: int | None = None
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 4.0  # llama3
+    beta_fast: float = 32.0  # yarn
+    beta_slow: float = 1.0  # yarn
+    mscale: float | None = None  # yarn (DeepSeek): the attention factor is mscale over mscale_all_dim
+    mscale_all_dim: float | None = None
+    truncate: bool = True  # yarn: round the correction range to whole dimensions
+    short_factor: tuple[float, ...] | None = None  # longrope: per-frequency divisors up to the original length
+    long_factor: tuple[float, ...] | None = None  # longrope: beyond it
+
+    def __post_init__(self) -> None:
+        if self.type not in SCALING_TYPES:
+            raise SpecError(f"unknown scaling type {self.type!r}; choose from {', '.join(SCALING_TYPES)}")
+        missing = [name for name in _REQUIRED[self.type] if getattr(self, name) is None]
+        if missing:
+            raise SpecError(f"{self.type} scaling needs {', '.join(missing)}")
+        for name in ("short_factor", "long_factor"):
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, tuple(float(v) for v in getattr(self, name)))
+
+    @classmethod
+    def from_mapping(cls, parameters: Mapping[str, Any]) -> Scaling | None:
+        """From transformers' ``rope_parameters`` / ``rope_scaling`` dict; None for ``rope_type: default``."""
+        parameters = dict(parameters)
+        kind = parameters.pop("rope_type", None) or parameters.pop("type", None)
+        for spec_level in ("rope_theta", "partial_rotary_factor", "attention_factor"):
+            parameters.pop(spec_level, None)
+        if kind in (None, "default"):
+            return None
+        known = {f.name for f in fields(cls)} - {"type"}
+        unknown = sorted(set(parameters) - known)
+        if unknown:
+            raise SpecError(f"{kind} scaling: unknown parameter(s) {', '.join(unknown)}")
+        return cls(kind, **parameters)
+
+    def __str__(self) -> str:
+        """The command line's form: ``llama3:8:1:4:8192``, ``yarn:4:4096:32:1``, ``linear:4``."""
+        if self.type == "longrope":
+            return f"longrope (original {self.original_max_position_embeddings})"
+        return ":".join([self.type, *(_number(getattr(self, name)) for name in _CLI_PARAMETERS[self.type])])
+
+
+@dataclass(frozen=True)
+class RopeSpec:
+    """The RoPE one layer should apply: ``theta``, the rotary dim, a scaling, the cos/sin amplitude.
+
+    ``rotary_dim`` None accepts the dim the layer uses (2 x its number of frequencies); ``scaling`` is a
+    :class:`Scaling` or transformers' dict form (``{"rope_type": "llama3", "factor": 8, ...}``);
+    ``attention_factor`` None means the scaling's own (YaRN's ``0.1 ln(factor) + 1``, longrope's), else 1.
+    """
+
+    theta: float
+    rotary_dim: int | None = None
+    scaling: Scaling | Mapping[str, Any] | None = None
+    attention_factor: float | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.scaling, Mapping):
+            object.__setattr__(self, "scaling", Scaling.from_mapping(self.scaling))
+        if not self.theta > 0:
+            raise SpecError(f"theta must be positive, got {self.theta}")
+        if self.rotary_dim is not None and (self.rotary_dim < 2 or self.rotary_dim % 2):
+            raise SpecError(f"rotary_dim must be even and at least 2, got {self.rotary_dim}")
+
+    def frequencies(self, dim: int, seq_len: int) -> tuple[torch.Tensor, float]:
+        """(inv_freq as float64 of shape (dim/2,), attention factor) for a table covering ``seq_len`` positions."""
+        return _frequencies(self.theta, dim, self.scaling, self.attention_factor, seq_len)
+
+    def __str__(self) -> str:
+        parts = [f"theta={_number(self.theta)}"]
+        if self.rotary_dim is not None:
+            parts.append(f"dim={self.rotary_dim}")
+        if self.scaling is not None:
+            parts.append(str(self.scaling))
+        if self.attention_factor is not None:
+            parts.append(f"attention_factor={_number(self.attention_factor)}")
+        return " ".join(parts)
+
+
+@dataclass(frozen=True)
+class ConfigSpec(RopeSpec):
+    """A :class:`RopeSpec` read from a transformers config: frequencies come from transformers itself."""
+
+    config: Any = field(default=None, compare=False, repr=False)
+    layer_type: str | None = None  # the key of per-layer-type ``rope_parameters`` (Gemma 3, ModernBERT)
+    rope_type: str = "default"
+
+    def frequencies(self, dim: int, seq_len: int) -> tuple[torch.Tensor, float]:
+        """transformers' ``ROPE_INIT_FUNCTIONS[rope_type]`` when installed; the same formulas here otherwise."""
+        try:
+            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+        except ImportError:
+            ROPE_INIT_FUNCTIONS = {}
+        init = ROPE_INIT_FUNCTIONS.get(self.rope_type)
+        if init is None:  # "default" has no entry there: each model computes it as theta ** (-2j / dim)
+            return super().frequencies(dim, seq_len)
+        kwargs = {"layer_type": self.layer_type} if self.layer_type is not None else {}
+        inv_freq, attention_factor = init(self.config, torch.device("cpu"), seq_len=seq_len, **kwargs)
+        return inv_freq.to(torch.float64), float(attention_factor)
+
+
+Expectation = Union[RopeSpec, Mapping[str, RopeSpec], Callable[[str], Union[RopeSpec, None]], str]
+
+
+def expectation_for(expect: Expectation, model: torch.nn.Module) -> Callable[[str], RopeSpec | None]:
+    """Turn any form of ``expect`` into ``layer name -> RopeSpec | None`` (None: that layer is not judged)."""
+    if isinstance(expect, RopeSpec):
+        return lambda layer: expect
+    if isinstance(expect, str):
+        if expect != "config":
+            raise SpecError(f"expect={expect!r}: the only string understood is 'config'")
+        return config_expectation(model)
+    if isinstance(expect, Mapping):
+        for pattern, spec in expect.items():
+            if not isinstance(spec, RopeSpec):
+                raise SpecError(f"expect[{pattern!r}] is {type(spec).__name__}, not a RopeSpec")
+        # First matching pattern wins, in the mapping's order (fnmatch: layers.[0-2], *.layers.*).
+        return lambda layer: next((spec for pattern, spec in expect.items() if fnmatch.fnmatchcase(layer, pattern)),
+                                  None)
+    if callable(expect):
+        return expect
+    raise SpecError(f"expect must be a RopeSpec, a mapping, a callable or 'config', not {type(expect).__name__}")
+
+
+def config_expectation(model: torch.nn.Module) -> Callable[[str], RopeSpec | None]:
+    """Per layer, the RoPE ``model.config`` asks for (``layer_types`` picks per-type parameters)."""
+    config = getattr(model, "config", None)
+    if config is None:
+        raise SpecError("expect='config' needs model.config (a transformers model's configuration); "
+                        f"{type(model).__name__} has none")
+    if hasattr(config, "get_text_config"):  # multimodal wrappers keep the decoder's settings there
+        config = config.get_text_config()
+    parameters = getattr(config, "rope_parameters", None)
+    if parameters is None:  # transformers 4: rope_theta and rope_scaling side by side
+        theta = getattr(config, "rope_theta", None)
+        if theta is None:
+            raise SpecError("model.config has neither rope_parameters nor rope_theta")
+        parameters = {**(getattr(config, "rope_scaling", None) or {}), "rope_theta": theta}
+    layer_types = getattr(config, "layer_types", None)
+    per_type = bool(layer_types) and all(isinstance(parameters.get(t), Mapping) for t in set(layer_types))
+    head_dim = getattr(config, "head_dim", None)
+    if head_dim is None:
+        hidden, heads = getattr(config, "hidden_size", None), getattr(config, "num_attention_heads", None)
+        if hidden is None or heads is None:
+            raise SpecError("model.config has no head_dim, nor hidden_size and num_attention_heads to derive it")
+        head_dim = hidden // heads
+    specs = {t: _spec_from_parameters(parameters[t], config, head_dim, t) for t in set(layer_types)} if per_type \
+        else {None: _spec_from_parameters(parameters, config, head_dim, None)}
+
+    def expected(layer: str) -> RopeSpec | None:
+        if not per_type:
+            return specs[None]
+        index = layer_index(layer)
+        return specs[layer_types[index]] if index is not None and index < len(layer_types) else None
+
+    return expected
+
+
+def _spec_from_parameters(parameters: Mapping[str, Any], config: Any, head_dim: int,
+                          layer_type: str | None) -> ConfigSpec:
+    where = f"rope_parameters[{layer_type!r}]" if layer_type else "rope_parameters"
+    theta = parameters.get("rope_theta")
+    if theta is None:
+        raise SpecError(f"model.config.{where} has no rope_theta")
+    rope_type = parameters.get("rope_type") or parameters.get("type") or "default"
+    if rope_type != "default" and rope_type not in SCALING_TYPES:
+        raise SpecError(f"model.config.{where}: rope_type {rope_type!r} is not one the audit knows "
+                        f"({', '.join(('default',) + SCALING_TYPES)})")
+    partial = parameters.get("partial_rotary_factor") or getattr(config, "partial_rotary_factor", None) or 1.0
+    scaling = None
+    if rope_type != "default":
+        # transformers fills in what a config leaves out (yarn's and longrope's factor from the lengths).
+        known = {f.name for f in fields(Scaling)} - {"type"}
+        given = {k: v for k, v in parameters.items() if k in known and v is not None}
+        if "original_max_position_embeddings" not in given and rope_type == "dynamic":
+            given["original_max_position_embeddings"] = getattr(config, "max_position_embeddings", None)
+        if given.get("factor") is None and rope_type in ("yarn", "longrope"):
+            original = given.get("original_max_position_embeddings")
+            maximum = getattr(config, "max_position_embeddings", None)
+            given["factor"] = maximum / original if original and maximum else None
+        try:
+            scaling = Scaling(rope_type, **given)
+        except SpecError as error:
+            raise SpecError(f"model.config.{where}: {error}") from None
+    return ConfigSpec(theta=float(theta), rotary_dim=int(head_dim * partial), scaling=scaling,
+                      attention_factor=parameters.get("attention_factor"), config=config, layer_type=layer_type,
+                      rope_type=rope_type)
+
+
+def parse_spec(text: str) -> RopeSpec:
+    """``theta=5e5,dim=64,scaling=llama3:8:1:4:8192,attention_factor=1.2`` (the CLI's ``--expect``)."""
+    items: dict[str, str] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, equals, value = item.partition("=")
+        if not equals or not value:
+            raise SpecError(f"--expect: {item!r} is not NAME=VALUE")
+        items[name.strip()] = value.strip()
+    unknown = sorted(set(items) - {"theta", "dim", "scaling", "attention_factor"})
+    if unknown:
+        raise SpecError(f"--expect: unknown field(s) {', '.join(unknown)}; use theta, dim, scaling, attention_factor")
+    if "theta" not in items:
+        raise SpecError("--expect: theta is missing (e.g. --expect theta=5e5)")
+    try:
+        theta = float(items["theta"])
+        dim = int(items["dim"]) if "dim" in items else None
+        factor = float(items["attention_factor"]) if "attention_factor" in items else None
+    except ValueError as error:
+        raise SpecError(f"--expect: {error}") from None
+    scaling = _parse_scaling(items["scaling"]) if "scaling" in items else None
+    return RopeSpec(theta, rotary_dim=dim, scaling=scaling, attention_factor=factor)
+
+
+def _parse_scaling(text: str) -> Scaling:
+    kind, *values = text.split(":")
+    if kind == "longrope":
+        raise SpecError("--expect: longrope's short/long factor lists do not fit on the command line; "
+                        "use --expect config or rope_dedup.RopeSpec")
+    if kind not in _CLI_PARAMETERS:
+        raise SpecError(f"--expect: unknown scaling type {kind!r}; choose from {', '.join(_CLI_PARAMETERS)}")
+    names = _CLI_PARAMETERS[kind]
+    if len(values) > len(names):
+        raise SpecError(f"--expect: {kind} takes at most {':'.join(names)}, got {text!r}")
+    try:
+        parsed = {name: int(value) if name == "original_max_position_embeddings" else float(value)
+                  for name, value in zip(names, values)}
+    except ValueError as error:
+        raise SpecError(f"--expect: scaling {text!r}: {error}") from None
+    try:
+        return Scaling(kind, **parsed)
+    except SpecError as error:
+        raise SpecError(f"--expect: {error} (scaling={kind}:{':'.join(names)})") from None
+
+
+def layer_index(layer: str) -> int | None:
+    """``model.layers.5`` -> 5: the last numeric component of a layer name."""
+    numbers = re.findall(r"(?:^|\.)(\d+)(?=\.|$)", layer)
+    return int(numbers[-1]) if numbers else None
+
+
+def _frequencies(theta: float, dim: int, scaling: Scaling | None, attention_factor: float | None,
+                 seq_len: int) -> tuple[torch.Tensor, float]:
+    """transformers' formulas, in float64."""
+    exponents = torch.arange(0, dim, 2, dtype=torch.float64) / dim
+    kind = scaling.type if scaling is not None else None
+    if kind == "dynamic" and seq_len > scaling.original_max_position_embeddings:
+        # NTK: a larger base once the sequence outgrows the original length.
+        theta = theta * ((scaling.factor * seq_len / scaling.original_max_position_embeddings)
+                         - (scaling.factor - 1)) ** (dim / (dim - 2))
+    inv_freq = 1.0 / theta ** exponents
+    default_factor = 1.0
+    if kind == "linear":
+        inv_freq = inv_freq / scaling.factor
+    elif kind == "llama3":
+        inv_freq = _llama3(inv_freq, scaling)
+    elif kind == "yarn":
+        inv_freq, default_factor = _yarn(inv_freq, theta, dim, scaling)
+    elif kind == "longrope":
+        long = seq_len > scaling.original_max_position_embeddings
+        factors = torch.tensor(scaling.long_factor if long else scaling.short_factor, dtype=torch.float64)
+        if factors.numel() != inv_freq.numel():
+            raise SpecError(f"longrope: {factors.numel()} factors for a rotary dim of {dim}")
+        inv_freq = inv_freq / factors
+        factor = scaling.factor or 1.0
+        if factor > 1:
+            default_factor = math.sqrt(1 + math.log(factor) / math.log(scaling.original_max_position_embeddings))
+    return inv_freq, default_factor if attention_factor is None else float(attention_factor)
+
+
+def _llama3(inv_freq: torch.Tensor, s: Scaling) -> torch.Tensor:
+    low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+    high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / s.factor, inv_freq)
+    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def _yarn(inv_freq: torch.Tensor, theta: float, dim: int, s: Scaling) -> tuple[torch.Tensor, float]:
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    if s.mscale and s.mscale_all_dim:
+        attention_factor = mscale(s.factor, s.mscale) / mscale(s.factor, s.mscale_all_dim)
+    else:
+        attention_factor = mscale(s.factor)
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(s.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(s.beta_fast), correction_dim(s.beta_slow)
+    if s.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # transformers' guard against a zero-width ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    extrapolate = 1 - ramp
+    return inv_freq / s.factor * (1 - extrapolate) + inv_freq * extrapolate, attention_factor
+
+
+def _number(value: Any) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value)
