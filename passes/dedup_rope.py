@@ -13,7 +13,7 @@ from rope_dedup.passes.find_rope_tables import Candidate, find_rope_candidates
 from rope_dedup.passes.redirect_to_canonical import redirect_to_canonical
 from rope_dedup.recognize import RopeTable, recognize_rope_table
 from rope_dedup.report import DedupReport
-from rope_dedup.store import CanonicalStore
+from rope_dedup.store import Action, CanonicalStore
 from rope_dedup.tensors import has_storage, local, memory_ptr, placement, storage_ptr
 
 
@@ -74,10 +74,10 @@ def dedup_rope(
     watched: dict[int, WatchedInput] = {}
     for candidate in candidates:
         how = WatchedInput(candidate.path, candidate.kind, written.get(candidate.node), candidate.persistent)
-        offer = store.offer(candidate.tensor, *how)
-        if offer.status != "skipped":
+        skipped = store.offer(candidate.tensor, *how).action is Action.SKIP
+        if not skipped:
             kept.append(candidate)
-        if candidate.input_index is not None and (offer.status != "skipped" or _worth_watching(candidate)):
+        if candidate.input_index is not None and (not skipped or _worth_watching(candidate)):
             watched[candidate.input_index] = how
     if not redirect_inputs:
         kept = [c for c in kept if c.input_index is None]

@@ -68,6 +68,11 @@ class RopeDedupBackend:
         self.errors: list[str] = []
 
     @property
+    def stores(self) -> list[CanonicalStore]:
+        """One store per storage policy the compiles asked for (dry run, share_persistent)."""
+        return list(self._stores.values())
+
+    @property
     def inner(self) -> str | Callable:
         return self.config.inner
 
@@ -110,9 +115,9 @@ class RopeDedupBackend:
         try:
             fold, merge = config.computed_table_transforms()
             result = dedup_rope(gm, example_inputs, store=store, redirect_inputs=config.redirects_inputs())
-            if merge and not store.dry_run:  # after dedup_rope: per-layer tables now read one node
+            if merge:  # after dedup_rope: per-layer tables now read one node
                 merge_rope_subgraphs(gm, example_inputs, store=store)
-            if fold and not store.dry_run:
+            if fold:
                 fold_rope_constants(gm, example_inputs, store=store)
         except Exception as error:
             if config.strict:

@@ -142,10 +142,13 @@ class RopeDedupConfig:
         backward (a Persimmon model's gradients moved by 2e-7, bitwise equal with placeholders left apart,
         same table memory); other backends run the graph as written, and merging needs one node per table.
         """
-        return self.inner != "inductor" or self.computed_table_transforms()[1]
+        return not self.dry_run and (self.inner != "inductor" or self.computed_table_transforms()[1])
 
     def computed_table_transforms(self) -> tuple[bool, bool]:
-        """(fold constant RoPE subgraphs, merge identical ones) as the backend will apply them."""
+        """(fold constant RoPE subgraphs, merge identical ones) as the backend will apply them: never in a
+        dry run, which rewrites nothing."""
+        if self.dry_run:
+            return False, False
         default = COMPUTED_TABLE_DEFAULTS.get(self.inner, (False, False)) if isinstance(self.inner, str) \
             else (False, False)
         fold = default[0] if self.fold_constants is None else self.fold_constants

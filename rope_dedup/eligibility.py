@@ -1,46 +1,78 @@
-"""Safety rules that decide, before any content is read, whether a tensor may be shared at all."""
+"""Safety rules that decide, before any content is read, whether a tensor may be shared at all; and the
+reasons a tensor keeps its own storage, one enum member each."""
 
 from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
 
 import torch
 
 from rope_dedup.tensors import is_dtensor, local
 
 
-TRAINABLE_REASON = "trainable parameter (requires grad): never shared"
-PERSISTENT_REASON = (
-    "in the state_dict (persistent buffer or frozen parameter): shared storage would make safetensors' "
-    "save_file refuse the state_dict and load_state_dict write every sharer; share_persistent=True opts in"
-)
+class SkipReason(enum.Enum):
+    """Why a tensor keeps its own storage; the value is the message, ``{detail}`` filled per tensor."""
+
+    TRAINABLE = "trainable parameter (requires grad): never shared"
+    REQUIRES_GRAD = "requires grad: aliasing would merge gradient flows"
+    WRITTEN = ("written in the graph ({detail}): has its own storage whenever a graph that writes it runs, "
+               "shared only while graphs that just read it run")
+    PERSISTENT = ("in the state_dict (persistent buffer or frozen parameter): shared storage would make "
+                  "safetensors' save_file refuse the state_dict and load_state_dict write every sharer; "
+                  "share_persistent=True opts in")
+    SHARDED = "DTensor with {detail} placement: only replicated tables are shared"
+    SUBCLASS = "tensor subclass {detail} is not supported"
+    META = "meta tensor: no data to compare"
+    INFERENCE = "inference tensor: cannot be aliased outside inference mode"
+    NOT_ROPE = "not RoPE-like: {detail}"
+    ALIAS_FAILED = "could not alias its storage: {detail}"
+    RELEASED = "released by rope_dedup.unshare: never shared again"
 
 
-def why_not_shareable(tensor: torch.Tensor, kind: str, written: str | None, persistent: bool = False,
-                      share_persistent: bool = False) -> str | None:
-    """Return the reason a tensor must keep its own storage, or None if it may be shared.
+@dataclass(frozen=True)
+class Refusal:
+    """A :class:`SkipReason` with the detail of one tensor."""
 
-    ``kind`` is where it lives (buffer, parameter, attribute, global); ``written`` describes an in-place
-    write the graph performs on it, if any; ``persistent`` says the tensor is saved in its module's
-    ``state_dict`` (a persistent buffer or a parameter), which is shared only when ``share_persistent``
-    opts in.
+    reason: SkipReason
+    detail: str = ""
+
+    @property
+    def message(self) -> str:
+        return self.reason.value.format(detail=self.detail)
+
+    @property
+    def routine(self) -> bool:
+        """Weights and non-RoPE state are the bulk of any model's skips, expected and logged quietly."""
+        return self.reason in (SkipReason.TRAINABLE, SkipReason.NOT_ROPE)
+
+
+
+def why_not_shareable(tensor: torch.Tensor, written: str | None, persistent: bool = False,
+                      share_persistent: bool = False) -> Refusal | None:
+    """Return why a tensor must keep its own storage, or None if it may be shared.
+
+    ``written`` describes an in-place write the graph performs on it, if any; ``persistent`` says the
+    tensor is saved in its module's ``state_dict`` (a persistent buffer or a parameter), which is
+    shared only when ``share_persistent`` opts in.
     """
     if isinstance(tensor, torch.nn.Parameter) and tensor.requires_grad:
-        return TRAINABLE_REASON
+        return Refusal(SkipReason.TRAINABLE)
     if tensor.requires_grad:
-        return "requires grad: aliasing would merge gradient flows"
+        return Refusal(SkipReason.REQUIRES_GRAD)
     if written is not None:
-        return (f"written in the graph ({written}): has its own storage whenever a graph that writes it runs, "
-                f"shared only while graphs that just read it run")
+        return Refusal(SkipReason.WRITTEN, written)
     if persistent and not share_persistent:
-        return PERSISTENT_REASON
+        return Refusal(SkipReason.PERSISTENT)
     if is_dtensor(tensor):
         sharded = [p for p in tensor.placements if not p.is_replicate()]
         if sharded:
-            return f"DTensor with {', '.join(map(str, sharded))} placement: only replicated tables are shared"
+            return Refusal(SkipReason.SHARDED, ", ".join(map(str, sharded)))
         tensor = local(tensor)
     if type(tensor) not in (torch.Tensor, torch.nn.Parameter):
-        return f"tensor subclass {type(tensor).__name__} is not supported"
+        return Refusal(SkipReason.SUBCLASS, type(tensor).__name__)
     if tensor.is_meta:
-        return "meta tensor: no data to compare"
+        return Refusal(SkipReason.META)
     if torch.is_inference(tensor) and not torch.is_inference_mode_enabled():
-        return "inference tensor: cannot be aliased outside inference mode"
+        return Refusal(SkipReason.INFERENCE)
     return None

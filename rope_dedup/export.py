@@ -24,7 +24,7 @@ from torch.export.graph_signature import ExportGraphSignature, InputKind, InputS
 from rope_dedup.passes.find_mutations import find_mutations
 from rope_dedup.passes.redirect_to_canonical import redirect_to_canonical
 from rope_dedup.report import DedupReport
-from rope_dedup.store import CanonicalStore
+from rope_dedup.store import Action, CanonicalStore
 
 log = logging.getLogger("rope_dedup")
 
@@ -54,7 +54,7 @@ def dedup_exported(ep: ExportedProgram, *, share_persistent: bool = False) -> Ex
             continue
         persistent = spec.kind == InputKind.PARAMETER or (spec.kind == InputKind.BUFFER and bool(spec.persistent))
         offer = store.offer(tensor, spec.target, _STATE_KINDS[spec.kind], written.get(spec.arg.name), persistent)
-        if offer.status != "skipped":
+        if offer.action is not Action.SKIP:
             offered.append((spec, tensor))
 
     keeper: dict[int, InputSpec] = {}  # id(canonical tensor) -> the input that stays in use

@@ -20,7 +20,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from rope_dedup.passes.dedup_rope import WatchedInput
 from rope_dedup.memory import TRIM_THRESHOLD_BYTES, release_if_freed
-from rope_dedup.store import CanonicalStore
+from rope_dedup.store import Action, CanonicalStore
 from rope_dedup.tensors import memory_ptr
 
 log = logging.getLogger("rope_dedup")
@@ -90,7 +90,7 @@ class InterningCallable:
             counters["rope_dedup"]["intern_errors"] += 1
             self._rejected[tensor] = True
             return
-        if offer.status == "skipped":
+        if offer.action is Action.SKIP:
             self._rejected[tensor] = True
             return
         counters["rope_dedup"]["interned_at_runtime"] += 1

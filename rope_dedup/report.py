@@ -12,7 +12,7 @@ from typing import Iterable, Sequence
 
 import torch
 
-from rope_dedup.eligibility import TRAINABLE_REASON
+from rope_dedup.eligibility import SkipReason
 from rope_dedup.keys import RopeKey
 from rope_dedup.store import base_name
 from rope_dedup.tensors import describe_placement, local, storage_nbytes, storage_ptr
@@ -37,10 +37,11 @@ class Group:
 
 @dataclass(frozen=True)
 class Skip:
-    """A tensor the pass examined and left alone, and why."""
+    """A tensor the pass examined and left alone, and why (``kind`` to test, ``reason`` to read)."""
 
     path: str
     reason: str
+    kind: SkipReason | None = None
 
 
 @dataclass(frozen=True)
@@ -117,9 +118,9 @@ class DedupReport:
                 placement=describe_placement(group.placement),
             ))
         skipped = []
-        for path, reason in store.skipped.items():
+        for path, refusal in store.skipped.items():
             named = sorted(full[id(t)] for t in store.skipped_tensors(path) if id(t) in full)
-            skipped += [Skip(p, reason) for p in named] or [Skip(path, reason)]
+            skipped += [Skip(p, refusal.message, refusal.reason) for p in (named or [path])]
         shared = {base_name(m.name) for _, live in store.snapshot() for _, m in live}
         shared |= {m for g in groups for m in g.members}
         return cls(groups, skipped, list(errors), _departed(store, shared, tensors))
@@ -145,7 +146,7 @@ class DedupReport:
             lines.append(f"skipped {len(self.skipped)}:")
             # Weights are the bulk of any model's skips and never a RoPE table: one line, so RoPE news stands out.
             by_reason = Counter(s.reason for s in self.skipped)
-            trainable = by_reason.pop(TRAINABLE_REASON, 0)
+            trainable = by_reason.pop(SkipReason.TRAINABLE.value, 0)
             if trainable:
                 lines.append(f"  {trainable} trainable parameter(s) (requires grad): never shared, not listed")
             for reason, count in by_reason.items():

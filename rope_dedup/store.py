@@ -4,13 +4,17 @@ One store belongs to one backend instance and outlives the graphs it compiles, b
 compilation or graph breaks a single compiled graph serves every layer and only run-time interning
 can reach the other layers' tables. It holds weak references only: dropping a model frees its tables.
 
-``offer`` is the single entry point for both compile time and run time. It decides (via
-:func:`rope_dedup.eligibility.why_not_shareable` and recognition), then shares; every tensor it is
-offered ends up in a group or in ``skipped`` with a reason, which is what the report reads.
+``offer`` is the single entry point for both compile time and run time: :meth:`CanonicalStore.decide`
+makes a :class:`Plan` from the store's state, the safety rules
+(:func:`rope_dedup.eligibility.why_not_shareable`) and recognition without changing anything, and
+:meth:`CanonicalStore.apply` carries it out; storage is re-pointed in one place (``_share_storage`` /
+``_own_storage``), never in a dry run. Every tensor offered ends up in a group or in ``skipped`` with
+a :class:`~rope_dedup.eligibility.Refusal`, which is what the report reads.
 """
 
 from __future__ import annotations
 
+import enum
 import logging
 import weakref
 from dataclasses import dataclass, field
@@ -18,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from rope_dedup.eligibility import TRAINABLE_REASON, why_not_shareable
+from rope_dedup.eligibility import Refusal, SkipReason, why_not_shareable
 from rope_dedup.keys import RopeKey, infer_key
 from rope_dedup.recognize import NotRope, recognize_rope_table
 from rope_dedup.tensors import local, memory_ptr, placement, same_values, storage_nbytes, storage_ptr
@@ -50,14 +54,28 @@ class _Group:
         return None
 
 
-@dataclass(frozen=True)
-class Offer:
-    """Outcome of offering one tensor: ``shared`` (aliased onto a canonical), ``canonical`` (first of
-    its content), ``known`` (already backed by a canonical), or ``skipped`` with ``reason``."""
+class Action(enum.Enum):
+    """What offering a tensor does: the value is the status the report and the passes' logs print."""
 
-    status: str
-    key: RopeKey | None = None
-    reason: str | None = None
+    KNOWN = "known"  # already a member of a group: nothing to do
+    JOIN = "shared"  # equal to a group's canonical table: its storage becomes the canonical one
+    NEW = "canonical"  # the first table of its content: a new group
+    SKIP = "skipped"  # keeps its own storage, for ``refusal``
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What the store will do with one offered tensor, decided without changing anything.
+
+    ``release_first``: the tensor is shared but a graph compiled now writes it, so it gets its own
+    storage back before the rest of the plan applies (the write must land in its own storage only).
+    """
+
+    action: Action
+    release_first: bool = False
+    group: _Group | None = None  # JOIN: the group whose canonical table it equals
+    key: RopeKey | None = None  # NEW: the key of the new group
+    refusal: Refusal | None = None  # SKIP: why
 
 
 class CanonicalStore:
@@ -69,8 +87,8 @@ class CanonicalStore:
         self._groups: list[_Group] = []
         self._group_of: dict[int, _Group] = {}  # id(tensor) -> group
         self._ptr_count: dict[int, int] = {}  # data_ptr of live members -> how many
-        self._excluded = WeakIdKeyDictionary()  # tensor -> why it must never be shared again (unshare())
-        self.skipped: dict[str, str] = {}
+        self._excluded = WeakIdKeyDictionary()  # tensor -> Refusal: never share it again (unshare())
+        self.skipped: dict[str, Refusal] = {}
         self._skipped_refs: dict[str, list[weakref.ref]] = {}  # name -> tensors skipped under it
         self._names: dict[str, int] = {}
         # Members freed while shared, by name without its "#n": a cache regrown in forward drops the shared
@@ -85,27 +103,44 @@ class CanonicalStore:
 
     # -- deciding and sharing -----------------------------------------------------------------------
     def offer(self, tensor: torch.Tensor, name: str, kind: str = "buffer", written: str | None = None,
-              persistent: bool = False) -> Offer:
-        """Share ``tensor`` with an equal canonical table if it is an unwritten RoPE table; else record why not."""
-        if id(tensor) in self._group_of:
-            if written is None:
-                return Offer("known", self._group_of[id(tensor)].key)
-            # A graph that writes it is about to run (its compiled callable unshares it before every call
-            # too): the write must land in this tensor's own storage, not in every sharer's.
-            log.info("rope_dedup: %s is written by a graph compiled now; it gets its own storage back", name)
-            self.release(tensor)
+              persistent: bool = False) -> Plan:
+        """Share ``tensor`` with an equal canonical table if it is an unwritten RoPE table; else record why not.
+
+        ``kind`` (buffer, parameter, attribute, ...) is how the caller found it; the rules that decide
+        read the tensor itself. Returns the plan that was applied."""
+        plan = self.decide(tensor, written, persistent)
+        self.apply(plan, tensor, name)
+        return plan
+
+    def decide(self, tensor: torch.Tensor, written: str | None = None, persistent: bool = False) -> Plan:
+        """What :meth:`apply` would do with ``tensor``: reads the store and the tensor, changes neither."""
+        member = id(tensor) in self._group_of
+        if member and written is None:
+            return Plan(Action.KNOWN)
         if tensor in self._excluded:
-            return self._skip(name, self._excluded[tensor], tensor)
-        reason = why_not_shareable(tensor, kind, written, persistent, self.share_persistent)
-        if reason is not None:
-            return self._skip(name, reason, tensor)
+            return Plan(Action.SKIP, member, refusal=self._excluded[tensor])
+        refusal = why_not_shareable(tensor, written, persistent, self.share_persistent)
+        if refusal is not None:
+            return Plan(Action.SKIP, member, refusal=refusal)
         group = self._find_equal(tensor)
         if group is not None:
-            return self._alias(tensor, group, self._unique_name(name))
+            return Plan(Action.JOIN, group=group)
         table = recognize_rope_table(local(tensor))
         if isinstance(table, NotRope):
-            return self._skip(name, f"not RoPE-like: {table.reason}", tensor)
-        return self._new_group(tensor, infer_key(table, local(tensor)), self._unique_name(name))
+            return Plan(Action.SKIP, refusal=Refusal(SkipReason.NOT_ROPE, table.reason))
+        return Plan(Action.NEW, key=infer_key(table, local(tensor)))
+
+    def apply(self, plan: Plan, tensor: torch.Tensor, name: str) -> None:
+        """Carry out ``plan`` for ``tensor``: the store's bookkeeping, and storage changes unless a dry run."""
+        if plan.release_first:
+            log.info("rope_dedup: %s is written by a graph compiled now; it gets its own storage back", name)
+            self.release(tensor)
+        if plan.action is Action.SKIP:
+            self._skip(name, plan.refusal, tensor)
+        elif plan.action is Action.JOIN:
+            self._alias(tensor, plan.group, self._unique_name(name))
+        elif plan.action is Action.NEW:
+            self._new_group(tensor, plan.key, self._unique_name(name))
 
     def _find_equal(self, tensor: torch.Tensor) -> _Group | None:
         """The group whose canonical table equals ``tensor`` exactly (same shape, stride, dtype, device)."""
@@ -122,23 +157,22 @@ class CanonicalStore:
                 return group
         return None
 
-    def _alias(self, tensor: torch.Tensor, group: _Group, name: str) -> Offer:
+    def _alias(self, tensor: torch.Tensor, group: _Group, name: str) -> None:
         canonical, mine = local(group.canonical()), local(tensor)
         # Memory this tensor held on its own before sharing: none if it already lived in the canonical storage.
         original = 0 if storage_ptr(canonical) == storage_ptr(mine) else storage_nbytes(mine)
         moved = storage_ptr(canonical) != storage_ptr(mine) or canonical.storage_offset() != mine.storage_offset()
         if moved and not self.dry_run:
             try:
-                with torch.no_grad():
-                    mine.set_(canonical.untyped_storage(), canonical.storage_offset(), mine.size(), mine.stride())
+                _share_storage(mine, canonical)
             except RuntimeError as error:
-                return self._skip(name, f"could not alias its storage: {str(error).splitlines()[0]}", tensor)
+                self._skip(name, Refusal(SkipReason.ALIAS_FAILED, str(error).splitlines()[0]), tensor)
+                return
             if mine.device.type == "cpu":
                 self.freed_cpu_bytes += original
         self._add_member(group, tensor, name, original)
-        return Offer("shared", group.key)
 
-    def _new_group(self, tensor: torch.Tensor, key: RopeKey, name: str) -> Offer:
+    def _new_group(self, tensor: torch.Tensor, key: RopeKey, name: str) -> None:
         mine = local(tensor)
         group = _Group(key, tuple(mine.shape), tuple(mine.stride()), placement(tensor))
         same_key = [g for g in self._groups if g.key == key]
@@ -149,7 +183,6 @@ class CanonicalStore:
                         name, first, key)
         self._groups.append(group)
         self._add_member(group, tensor, name, storage_nbytes(tensor))
-        return Offer("canonical", key)
 
     def _add_member(self, group: _Group, tensor: torch.Tensor, name: str, original_nbytes: int) -> None:
         ident = id(tensor)
@@ -179,7 +212,7 @@ class CanonicalStore:
         if not group.members:
             self._groups.remove(group)
 
-    def release(self, tensor: torch.Tensor, reason: str | None = None) -> bool:
+    def release(self, tensor: torch.Tensor, reason: Refusal | None = None) -> bool:
         """Give a shared tensor its own storage back; with ``reason``, never share it again.
 
         Used before a graph that writes a shared table runs (it may be shared again once only graphs that
@@ -192,24 +225,20 @@ class CanonicalStore:
             return False
         member = group.members[id(tensor)]
         self._forget(id(tensor), memory_ptr(tensor))
-        if any(m.ref() is not None for m in group.members.values()):
-            mine = local(tensor)
-            with torch.no_grad():
-                mine.set_(mine.clone(memory_format=torch.preserve_format))
+        if any(m.ref() is not None for m in group.members.values()) and not self.dry_run:
+            _own_storage(local(tensor))
             log.info("rope_dedup: %s has its own storage again", member.name)
         return True
 
-    def _skip(self, name: str, reason: str, tensor: torch.Tensor) -> Offer:
+    def _skip(self, name: str, refusal: Refusal, tensor: torch.Tensor) -> None:
         refs = self._skipped_refs.setdefault(name, [])
         refs[:] = [r for r in refs if r() is not None]
         if not any(r() is tensor for r in refs):
             refs.append(weakref.ref(tensor))
-        if self.skipped.get(name) != reason:
-            # Weights and activations-like state are the bulk of skips and expected; RoPE-relevant ones are not.
-            routine = reason == TRAINABLE_REASON or reason.startswith("not RoPE-like")
-            log.log(logging.DEBUG if routine else logging.INFO, "rope_dedup: skipped %s: %s", name, reason)
-        self.skipped[name] = reason
-        return Offer("skipped", reason=reason)
+        if self.skipped.get(name) != refusal:
+            log.log(logging.DEBUG if refusal.routine else logging.INFO, "rope_dedup: skipped %s: %s", name,
+                    refusal.message)
+        self.skipped[name] = refusal
 
     def _unique_name(self, name: str) -> str:
         """Regional compile shows every block's table under the same relative path: number repeats."""
@@ -249,3 +278,14 @@ class CanonicalStore:
 def base_name(name: str) -> str:
     """``attn.cos#3`` -> ``attn.cos``: the path a store name stands for, without its repeat number."""
     return name.rpartition("#")[0] if "#" in name and name.rpartition("#")[2].isdigit() else name
+
+
+# The only two places storage is re-pointed: sharing, and giving a table its own copy back.
+def _share_storage(mine: torch.Tensor, canonical: torch.Tensor) -> None:
+    with torch.no_grad():
+        mine.set_(canonical.untyped_storage(), canonical.storage_offset(), mine.size(), mine.stride())
+
+
+def _own_storage(mine: torch.Tensor) -> None:
+    with torch.no_grad():
+        mine.set_(mine.clone(memory_format=torch.preserve_format))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from rope_dedup.backend import RopeDedupBackend, rope_dedup_backend
+from rope_dedup.eligibility import Refusal, SkipReason
 from rope_dedup.report import module_tensors
 
 
@@ -16,5 +17,6 @@ def unshare(model: torch.nn.Module, backend: RopeDedupBackend = rope_dedup_backe
     graphs that merged these tables notice the broken sharing and run an un-merged graph. Returns the
     paths of the tensors that were unshared.
     """
-    reason = "released by rope_dedup.unshare: never shared again"
-    return [path for path, tensor in module_tensors(model).values() if backend.store.release(tensor, reason=reason)]
+    released = Refusal(SkipReason.RELEASED)
+    return [path for path, tensor in module_tensors(model).values()
+            if any([store.release(tensor, reason=released) for store in backend.stores])]

@@ -16,7 +16,7 @@ from torch.torch_version import TorchVersion
 import rope_dedup
 from rope_dedup import RopeDedupBackend, dedup_rope, unshare
 from rope_dedup.toy_decoder import RopeSpec, ToyDecoder, homogeneous, rope_tensors, unique_storages
-from rope_dedup.eligibility import PERSISTENT_REASON
+from rope_dedup.eligibility import SkipReason
 
 TOKENS = torch.randint(0, 64, (1, 8), generator=torch.Generator().manual_seed(0))
 LAYERS = 4
@@ -49,7 +49,7 @@ def test_persistent_buffers_are_skipped_by_default_with_the_reason() -> None:
     assert storages(model) == 2 * LAYERS
     skipped = {s.path: s.reason for s in backend.report.skipped}
     for name, _ in rope_tensors(model):
-        assert skipped[name] == PERSISTENT_REASON
+        assert skipped[name] == SkipReason.PERSISTENT.value
     assert not backend.report.groups
 
 
@@ -64,7 +64,7 @@ def test_regional_compile_applies_the_policy_to_every_block(share_persistent: bo
     model(TOKENS)
     assert storages(model) == (2 if share_persistent else 2 * LAYERS)
     reasons = {s.reason for s in backend.report.skipped if "rope" in s.path}
-    assert reasons == (set() if share_persistent else {PERSISTENT_REASON})
+    assert reasons == (set() if share_persistent else {SkipReason.PERSISTENT.value})
 
 
 def test_default_model_saves_with_safetensors_save_file(tmp_path) -> None:
@@ -144,7 +144,7 @@ def test_plain_symbolic_trace_keeps_persistence_only_from_torch_2_14() -> None:
         assert set(gm.state_dict()) == {"a", "b"}
         result = dedup_rope(gm)
         assert not result.modified
-        assert {s.reason for s in result.report.skipped} == {PERSISTENT_REASON}
+        assert {s.reason for s in result.report.skipped} == {SkipReason.PERSISTENT.value}
     assert dedup_rope(torch.fx.symbolic_trace(Tables()), share_persistent=True).modified
 
 
@@ -210,7 +210,7 @@ def test_frozen_parameters_follow_the_persistent_policy(share_persistent: bool) 
     x = torch.randn(16, 8)
     torch.testing.assert_close(torch.compile(model, backend=backend)(x), model(x), rtol=0, atol=0)
     assert (model.a.data_ptr() == model.b.data_ptr()) == share_persistent
-    assert {s.reason for s in backend.report.skipped} == (set() if share_persistent else {PERSISTENT_REASON})
+    assert {s.reason for s in backend.report.skipped} == (set() if share_persistent else {SkipReason.PERSISTENT.value})
 
 
 class AssignsInForward(torch.nn.Module):
@@ -237,6 +237,6 @@ def test_persistence_is_read_when_forward_assigns_attributes(persistent: bool) -
     assert (layers[0].cos.data_ptr() == layers[1].cos.data_ptr()) != persistent
     report = backend.report_for(layers)
     if persistent:
-        assert {s.path: s.reason for s in report.skipped} == {"0.cos": PERSISTENT_REASON, "1.cos": PERSISTENT_REASON}
+        assert {s.path: s.reason for s in report.skipped} == {"0.cos": SkipReason.PERSISTENT.value, "1.cos": SkipReason.PERSISTENT.value}
     else:
         assert report.groups[0].members == ["0.cos", "1.cos"]

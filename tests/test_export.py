@@ -13,7 +13,7 @@ from ideal import ideal_storages
 from rope_dedup.toy_decoder import LAYOUTS, RopeSpec, ToyDecoder, homogeneous, local_global, rope_tensors, unique_storages
 
 from rope_dedup import dedup_exported
-from rope_dedup.eligibility import PERSISTENT_REASON
+from rope_dedup.eligibility import SkipReason
 
 TOKENS = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
 
@@ -65,7 +65,7 @@ def forward(self, b_cos_a, b_sin, x):
         torch.testing.assert_close(deduped.module()(x), model(x), rtol=0, atol=0)
         report = deduped.graph_module.meta["rope_dedup_report"]
         self.assertEqual([g.members for g in report.groups], [["cos_a", "cos_b", "cos_c"]])
-        self.assertEqual({s.path: s.reason for s in report.skipped}, {"sin": PERSISTENT_REASON})
+        self.assertEqual({s.path: s.reason for s in report.skipped}, {"sin": SkipReason.PERSISTENT.value})
 
     def test_the_input_program_and_the_model_are_untouched(self) -> None:
         model = Tables()
@@ -98,7 +98,7 @@ def test_persistent_buffers_are_shared_only_when_asked_and_keep_their_keys() -> 
     ep = torch.export.export(model, (x,))
     default = dedup_exported(ep)
     assert default.graph_module.code == ep.graph_module.code
-    assert {s.reason for s in default.graph_module.meta["rope_dedup_report"].skipped} == {PERSISTENT_REASON}
+    assert {s.reason for s in default.graph_module.meta["rope_dedup_report"].skipped} == {SkipReason.PERSISTENT.value}
     shared = dedup_exported(ep, share_persistent=True)
     assert set(shared.state_dict) == set(ep.state_dict)  # keys kept: checkpoints still load
     assert shared.state_dict["sin_b"] is shared.state_dict["sin"]
