@@ -21,3 +21,11 @@ def fresh_dynamo(tmp_path_factory, monkeypatch):
     counters.clear()
     yield
     torch._dynamo.reset()
+
+
+@pytest.fixture(autouse=True)
+def no_terminal_size(monkeypatch):
+    """pytest-xdist workers set COLUMNS=80, and the CLI honours COLUMNS: unset, its tables keep the width
+    they have whenever stdout is not a terminal, with or without ``-n``."""
+    monkeypatch.delenv("COLUMNS", raising=False)
+    monkeypatch.delenv("LINES", raising=False)

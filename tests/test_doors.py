@@ -160,7 +160,9 @@ def test_config_object_and_defaults_per_inner() -> None:
     config = RopeDedupConfig(inner="aot_eager", dry_run=True)
     backend = RopeDedupBackend(config=config)
     assert backend.config is config and backend.inner == "aot_eager" and backend.store.dry_run
-    assert config.computed_table_transforms() == (True, True)
+    assert config.computed_table_transforms() == (False, False)  # a dry run rewrites nothing
+    assert not config.redirects_inputs()
+    assert RopeDedupConfig(inner="aot_eager").computed_table_transforms() == (True, True)
     assert RopeDedupConfig().computed_table_transforms() == (False, False)
     with pytest.raises(TypeError, match="either config= or the options"):
         RopeDedupBackend(config=config, strict=True)
