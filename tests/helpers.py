@@ -27,11 +27,13 @@ def build(specs: list[RopeSpec], seed: int = 0, graph_break: bool = False) -> To
     return ToyDecoder(specs, graph_break=graph_break)
 
 
-def compile_model(model: nn.Module, backend, regional: bool, blocks: Blocks = toy_blocks) -> nn.Module:
+def compile_model(model: nn.Module, backend, regional: bool, blocks: Blocks | None = toy_blocks) -> nn.Module:
     """``torch.compile(model)``, or with ``regional`` each block compiled on its own (torchtitan style):
-    then ``model`` itself is returned, its blocks replaced by their compiled wrappers."""
+    then ``model`` itself is returned, its blocks replaced by their compiled wrappers. ``blocks`` (only
+    read when ``regional``) returns the model's ``nn.ModuleList`` of blocks."""
     if not regional:
         return torch.compile(model, backend=backend)
+    assert blocks is not None, "regional compile needs the model's blocks"
     layers = blocks(model)
     for i, block in enumerate(layers):
         layers[i] = torch.compile(block, backend=backend)
