@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import gc
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
-import torch.nn as nn
+from helpers import build, compile_model, rope_storages, unwrap
+from torch._dynamo.testing import EagerAndRecordGraphs, normalize_gm
 from torch._dynamo.utils import counters
 from ideal import ideal_storages
-from rope_dedup.toy_decoder import LAYOUTS, RopeSpec, ToyDecoder, homogeneous, local_global, rope_tensors, unique_storages
+from rope_dedup.toy_decoder import LAYOUTS, RopeSpec, ToyDecoder, homogeneous, local_global, rope_tensors
 
 import rope_dedup
 from rope_dedup import RopeDedupBackend
@@ -27,31 +28,28 @@ SCENARIOS = {
 }
 
 
-def rope_storages(model: nn.Module) -> int:
-    return unique_storages([t for _, t in rope_tensors(model)])[0]
+@dataclass
+class Run:
+    """One scenario compiled twice, without and with the pass, on identical models."""
+
+    expected: list[torch.Tensor]  # outputs of the same compile without the pass
+    eager: list[torch.Tensor]  # outputs of the model run eagerly before compiling
+    outputs: list[torch.Tensor]  # outputs with the pass
+    plain_graphs: int  # unique graphs dynamo compiled without the pass
+    graphs: int  # unique graphs with the pass
+    before: int  # RoPE storages before the pass
+    ideal: int  # RoPE storages after ideal sharing, from construction (tests/ideal.py)
+    model: ToyDecoder  # the model compiled with the pass (regional: its blocks still wrapped)
+    backend: RopeDedupBackend
 
 
-def compile_model(model: ToyDecoder, backend, mode: str):
-    """``whole``: torch.compile(model); ``regional``: each block compiled on its own (torchtitan)."""
-    if mode == "regional":
-        for i, block in enumerate(model.layers):
-            model.layers[i] = torch.compile(block, backend=backend)
-        return model
-    return torch.compile(model, backend=backend)
-
-
-def build(specs, seed: int = 0, graph_break: bool = False) -> ToyDecoder:
-    torch.manual_seed(seed)
-    return ToyDecoder(specs, graph_break=graph_break)
-
-
-def run_case(specs, inner: str, mode: str):
-    """Compile the same model twice (with and without the pass); return outputs, graph counts, storages."""
+def run_case(specs, inner: str, mode: str) -> Run:
+    """Compile the same model twice (with and without the pass); outputs, graph counts, storages."""
     graph_break = mode == "graph_break"
-    mode = "regional" if mode == "regional" else "whole"
+    regional = mode == "regional"
     tokens = [torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(i)) for i in range(3)]
 
-    plain = compile_model(build(specs, graph_break=graph_break), inner, mode)
+    plain = compile_model(build(specs, graph_break=graph_break), inner, regional)
     expected = [plain(t) for t in tokens]
     plain_graphs = counters["stats"]["unique_graphs"]
     torch._dynamo.reset()
@@ -62,15 +60,10 @@ def run_case(specs, inner: str, mode: str):
     before = rope_storages(model)
     ideal = ideal_storages(model)
     backend = RopeDedupBackend(inner)
-    compiled = compile_model(model, backend, mode)
+    compiled = compile_model(model, backend, regional)
     outputs = [compiled(t) for t in tokens]
-    return expected, eager, outputs, plain_graphs, counters["stats"]["unique_graphs"], before, model, ideal, backend
-
-
-def unwrap(model: ToyDecoder) -> ToyDecoder:
-    for i, block in enumerate(model.layers):
-        model.layers[i] = getattr(block, "_orig_mod", block)
-    return model
+    return Run(expected, eager, outputs, plain_graphs, counters["stats"]["unique_graphs"], before, ideal, model,
+               backend)
 
 
 # aot_eager under graph breaks repeats what eager and whole-model aot_eager already cover: slow set.
@@ -81,37 +74,34 @@ INNER_MODES = [("eager", m) for m in ("whole", "graph_break", "regional")] + [
 @pytest.mark.parametrize("inner,mode", INNER_MODES)
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
 def test_ideal_storages_equal_outputs_no_recompiles(scenario: str, inner: str, mode: str) -> None:
-    expected, eager, outputs, plain_graphs, graphs, before, model, ideal, backend = run_case(
-        SCENARIOS[scenario], inner, mode)
-    for got, want, ref in zip(outputs, expected, eager):
+    run = run_case(SCENARIOS[scenario], inner, mode)
+    for got, want, ref in zip(run.outputs, run.expected, run.eager):
         torch.testing.assert_close(got, want, rtol=0, atol=0)  # bitwise vs the same compile without the pass
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
-    assert graphs == plain_graphs
-    assert rope_storages(unwrap(model)) == ideal < before
-    assert not backend.report.errors
+    assert run.graphs == run.plain_graphs
+    assert rope_storages(unwrap(run.model)) == run.ideal < run.before
+    assert not run.backend.report.errors
 
 
 @pytest.mark.parametrize("mode", ["whole", "graph_break", "regional"])
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_every_layout_reaches_the_ideal(layout: str, mode: str) -> None:
-    _, eager, outputs, plain_graphs, graphs, before, model, ideal, backend = run_case(
-        homogeneous(4, layout=layout), "eager", mode)
-    for got, ref in zip(outputs, eager):
+    run = run_case(homogeneous(4, layout=layout), "eager", mode)
+    for got, ref in zip(run.outputs, run.eager):
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
-    assert graphs == plain_graphs
-    assert rope_storages(unwrap(model)) == ideal < before
+    assert run.graphs == run.plain_graphs
+    assert rope_storages(unwrap(run.model)) == run.ideal < run.before
 
 
 @pytest.mark.parametrize("mode", ["whole", "graph_break", "regional"])
 @pytest.mark.parametrize("scenario", ["homogeneous", "local_global"])
 def test_inductor(scenario: str, mode: str) -> None:
-    expected, eager, outputs, plain_graphs, graphs, before, model, ideal, _ = run_case(
-        SCENARIOS[scenario], "inductor", mode)
-    for got, want, ref in zip(outputs, expected, eager):
+    run = run_case(SCENARIOS[scenario], "inductor", mode)
+    for got, want, ref in zip(run.outputs, run.expected, run.eager):
         torch.testing.assert_close(got, want)
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
-    assert graphs == plain_graphs
-    assert rope_storages(unwrap(model)) == ideal < before
+    assert run.graphs == run.plain_graphs
+    assert rope_storages(unwrap(run.model)) == run.ideal < run.before
 
 
 @pytest.mark.parametrize("inner", ["aot_eager", "inductor"])
@@ -134,7 +124,7 @@ def test_training_gradients_equal_eager(inner: str) -> None:
 def test_report_covers_every_graph_and_names_full_paths() -> None:
     model = build(local_global(6, every=3))
     backend = RopeDedupBackend("eager")
-    compile_model(model, backend, "regional")(torch.randint(0, 64, (1, 8)))
+    compile_model(model, backend, regional=True)(torch.randint(0, 64, (1, 8)))
     report = backend.report_for(unwrap(model))
     by_theta = {g.key.theta: g for g in report.groups if g.key.layout == "cos"}
     assert by_theta[1e4].members == [f"layers.{i}.attention.rope.cos" for i in (0, 1, 3, 4)]
@@ -149,7 +139,7 @@ def test_report_for_names_every_block_s_skipped_table() -> None:
     """One graph serves every block: one relative skip name stands for the table of each block."""
     model = build([RopeSpec(layout="lazy_cache")] * 3)
     backend = RopeDedupBackend("eager")
-    compile_model(model, backend, "regional")(torch.randint(0, 64, (1, 8)))
+    compile_model(model, backend, regional=True)(torch.randint(0, 64, (1, 8)))
     relative = [s.path for s in backend.report.skipped if s.path.endswith("cached_freqs")]
     assert relative == ["attention.rope.cached_freqs"]
     full = [s.path for s in backend.report_for(unwrap(model)).skipped if s.path.endswith("cached_freqs")]
@@ -219,19 +209,33 @@ def test_registered_backend_name_and_ready_instance() -> None:
 
 
 def test_dry_run_shares_nothing_but_reports() -> None:
+    """Decides and reports, but hands the inner backend the graph it would get without rope_dedup."""
+    tokens = torch.randint(0, 64, (1, 8))
+    plain = EagerAndRecordGraphs()
+    torch.compile(build(homogeneous(3)), backend=plain)(tokens)
+    torch._dynamo.reset()
     model = build(homogeneous(3))
-    backend = RopeDedupBackend("eager", dry_run=True)
-    torch.compile(model, backend=backend)(torch.randint(0, 64, (1, 8)))
+    graphs = EagerAndRecordGraphs()
+    # A recording inner backend runs the graph as "eager" does; the computed-table transforms are asked
+    # for explicitly, as "eager" turns them on by default.
+    backend = RopeDedupBackend(graphs, dry_run=True, fold_constants=True, merge_computed=True)
+    torch.compile(model, backend=backend)(tokens)
     assert rope_storages(model) == 6
     report = backend.report
     assert [len(g.members) for g in report.groups] == [3, 3]
     assert report.bytes_after == report.bytes_before // 3
+    # Unrewritten: the same code, and every table placeholder still read by its own layer.
+    assert len(graphs.graphs) == len(plain.graphs) == 1
+    gm = graphs.graphs[0]
+    assert normalize_gm(gm.print_readable(print_output=False)) == normalize_gm(
+        plain.graphs[0].print_readable(print_output=False))
+    assert [n.name for n in gm.graph.find_nodes(op="placeholder") if not n.users] == []
 
 
 def test_interning_skips_known_tensors_cheaply() -> None:
     """After the first call, later calls find every RoPE input already interned (pointer check only)."""
     model = build(homogeneous(4))
-    compile_model(model, RopeDedupBackend("eager"), "regional")
+    compile_model(model, RopeDedupBackend("eager"), regional=True)
     tokens = torch.randint(0, 64, (1, 8))
     model(tokens)
     interned = counters["rope_dedup"]["interned_at_runtime"]
@@ -253,23 +257,21 @@ def test_table_placeholders_stay_apart_under_inductor(monkeypatch) -> None:
     """Under inductor the tables are shared in memory but each placeholder keeps its uses: one node per
     table changes inductor's fusion (a Persimmon model's gradients moved by 2e-7; see
     ``test_transformers4.py``). Other backends read the shared table through one node."""
-    graphs: dict[str, torch.fx.GraphModule] = {}
-
-    def recorder(name: str):
-        def record(gm, example_inputs, **kwargs):
-            graphs[name] = gm
-            return gm.forward
-        return record
-
-    monkeypatch.setattr("torch._inductor.compile_fx.compile_fx", recorder("inductor"))
+    graphs = {"inductor": EagerAndRecordGraphs(), "callable": EagerAndRecordGraphs()}
+    # compile_fx replaced by a recorder (its config_patches dropped): the graph inductor would get, run as is.
+    monkeypatch.setattr("torch._inductor.compile_fx.compile_fx",
+                        lambda gm, example_inputs, **kwargs: graphs["inductor"](gm, example_inputs))
     tokens = torch.randint(0, 64, (1, 8))
-    for inner in ("inductor", recorder("callable")):
+    for inner in ("inductor", graphs["callable"]):
         torch._dynamo.reset()
         model = build(homogeneous(3))
         out = torch.compile(model, backend=RopeDedupBackend(inner))(tokens)
         torch.testing.assert_close(out, model(tokens), rtol=0, atol=0)
         assert rope_storages(model) == 2
-    unused = {name: [n.name for n in gm.graph.find_nodes(op="placeholder") if not n.users]
-              for name, gm in graphs.items()}
+    unused = {name: [n.name for n in recorded.graphs[0].graph.find_nodes(op="placeholder") if not n.users]
+              for name, recorded in graphs.items()}
+    assert {name: len(recorded.graphs) for name, recorded in graphs.items()} == {"inductor": 1, "callable": 1}
     assert unused["inductor"] == []
-    assert len(unused["callable"]) == 4, unused  # layers 1 and 2's cos and sin now read layer 0's
+    # Layers 1 and 2's cos and sin now read layer 0's.
+    assert unused["callable"] == [f"l_self_modules_layers_modules_{i}_modules_attention_modules_rope_buffers_{t}_"
+                                  for i in (1, 2) for t in ("cos", "sin")], unused

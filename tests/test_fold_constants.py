@@ -8,6 +8,8 @@ import expecttest
 import pytest
 import torch
 import torch.nn as nn
+from helpers import build
+from torch._dynamo.testing import EagerAndRecordGraphs, normalize_gm
 from torch._dynamo.utils import counters
 from rope_dedup.toy_decoder import COMPUTED_LAYOUTS, RopeSpec, ToyDecoder, homogeneous
 
@@ -46,26 +48,6 @@ class Stack(nn.Module):
         return x
 
 
-class Recording:
-    """Inner backend that keeps the graph it is handed (after rope_dedup's passes) and runs it as is."""
-
-    def __init__(self) -> None:
-        self.graphs: list[torch.fx.GraphModule] = []
-
-    def __call__(self, gm: torch.fx.GraphModule, example_inputs) -> object:
-        self.graphs.append(gm)
-        return gm.forward
-
-
-def normalize(code: str) -> str:
-    return "\n".join(line for line in code.splitlines() if line.strip() and not line.strip().startswith("#"))
-
-
-def build(specs, seed: int = 0, graph_break: bool = False) -> ToyDecoder:
-    torch.manual_seed(seed)
-    return ToyDecoder(specs, graph_break=graph_break)
-
-
 TOKENS = [torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(i)) for i in range(3)]
 
 
@@ -76,13 +58,14 @@ def outputs_with(model: nn.Module, backend) -> list[torch.Tensor]:
 
 class TestRewrite(expecttest.TestCase):
     def test_two_layers_read_one_folded_table(self) -> None:
-        recording = Recording()
+        recording = EagerAndRecordGraphs()
         model, x = Stack([1e4, 1e4]), torch.randn(1, 12, 8)
         backend = RopeDedupBackend(recording, fold_constants=True, merge_computed=True)
         out = torch.compile(model, backend=backend)(x)
         gm = recording.graphs[0]
         gm.graph.lint()
-        self.assertExpectedInline(normalize(gm.code), """\
+        self.assertExpectedInline(normalize_gm(gm.code), """\
+
 def forward(self, L_x_ : torch.Tensor):
     l_x_ = L_x_
     _rope_folded0 = self._rope_folded0
@@ -109,7 +92,8 @@ def forward(self, L_x_ : torch.Tensor):
     cat_1 = torch.cat([sub_1, add_2], -1);  sub_1 = add_2 = None
     mul_9 = cat_1 * 0.5;  cat_1 = None
     x_1 = mul_9 + x;  mul_9 = x = None
-    return (x_1,)""")
+    return (x_1,)
+""")
         torch.testing.assert_close(out, model(x), rtol=0, atol=0)
         # A (12, 4) slice of the (16, 4) table: the constant keeps only its 12 rows, with the slice's strides.
         self.assertEqual(gm._rope_folded0.shape, (12, 4))
@@ -117,7 +101,7 @@ def forward(self, L_x_ : torch.Tensor):
         self.assertEqual(counters["rope_dedup"]["folded_tables"], 2)
 
     def test_without_merge_identical_subgraphs_still_fold_into_one_table(self) -> None:
-        recording = Recording()
+        recording = EagerAndRecordGraphs()
         model, x = Stack([1e4, 1e4, 1e6]), torch.randn(1, 16, 8)
         backend = RopeDedupBackend(recording, fold_constants=True, merge_computed=False)
         out = torch.compile(model, backend=backend)(x)
@@ -133,7 +117,7 @@ def forward(self, L_x_ : torch.Tensor):
                              for n in gm.graph.nodes))
 
     def test_pass_alone_on_a_dynamo_graph_and_a_second_run_changes_nothing(self) -> None:
-        recording = Recording()
+        recording = EagerAndRecordGraphs()
         model, x = Stack([1e4, 1e4]), torch.randn(1, 16, 8)
         torch.compile(model, backend=recording)(x)
         gm = recording.graphs[0]
@@ -169,10 +153,19 @@ def test_bitwise_equal_to_the_compile_without_transforms(layout: str, inner: str
     assert not backend.report.errors
     if layout == "computed":  # theta 1e4, and 1e6 yarn bf16: two (cos, sin) pairs, each held once
         assert counters["rope_dedup"]["folded_tables"] == 4
-        assert counters["rope_dedup"]["merged_nodes"] > 0
+        # Each q or k call builds its table anew: 20 nodes for theta 1e4 (arange(0, 16, 2), float, / 16,
+        # pow, 1 / ., to(device), arange(128), outer, then cos and sin each * mscale, [:seq], two .to, cat)
+        # and 30 for the yarn table (its ramp adds 10). Four calls read the 1e4 table (layers 0 and 2, q
+        # and k): 3 x 20 merged; two the yarn one: 30 more; and the yarn table's first call repeats the
+        # 1e4 table's arange(0, 16, 2), float, / 16 and arange(128): 4 more.
+        assert counters["rope_dedup"]["merged_nodes"] == 3 * 20 + 30 + 4
     else:
         assert "folded_tables" not in counters["rope_dedup"]  # reads the inv_freq buffer: merged only
-        assert counters["rope_dedup"]["merged_nodes"] > 0
+        # 17 nodes per q or k call (arange(seq), [None, None, :], inv_freq[None, :, None], float, @,
+        # transpose, [0], then cos and sin each * mscale, .to(dtype), .to(x.dtype), cat); once dedup points
+        # layer 2's inv_freq at layer 0's: 3 x 17 for the theta 1e4 calls, 17 for the yarn table's second
+        # call, and the yarn table's first call repeats arange(seq) and its [None, None, :]: 2 more.
+        assert counters["rope_dedup"]["merged_nodes"] == 3 * 17 + 17 + 2
 
 
 def test_inductor_default_leaves_computed_tables_alone() -> None:
@@ -215,7 +208,7 @@ def test_report_lists_each_folded_table_once_across_graphs() -> None:
 
 
 def test_buffer_dependent_tables_are_merged_not_folded_and_follow_the_buffer() -> None:
-    recording = Recording()
+    recording = EagerAndRecordGraphs()
     model = build(homogeneous(3, layout="from_inv_freq"))
     compiled = torch.compile(model, backend=RopeDedupBackend(recording, fold_constants=True, merge_computed=True))
     before = compiled(TOKENS[0])
@@ -261,8 +254,68 @@ class PositionsStack(nn.Module):
         return x
 
 
+class TestMergeRewrite(expecttest.TestCase):
+    def test_second_layer_reads_the_first_layer_s_table_nodes(self) -> None:
+        """dedup points layer 1's inv_freq placeholder at layer 0's; its table computation is then layer
+        0's, node for node, and merging leaves one: layer 1's rotation reads layer 0's cos and sin."""
+        recording = EagerAndRecordGraphs()
+        model = PositionsStack(2)
+        backend = RopeDedupBackend(recording, fold_constants=False, merge_computed=True)
+        x, positions = torch.randn(1, 4, 8), torch.arange(4).expand(1, 4)
+        out = torch.compile(model, backend=backend)(x, positions)
+        torch.testing.assert_close(out, model(x, positions), rtol=0, atol=0)
+        gm = recording.graphs[0]
+        gm.graph.lint()
+        self.assertExpectedInline(normalize_gm(gm.print_readable(print_output=False)), """\
+class GraphModule(torch.nn.Module):
+    def forward(self, L_self_modules_layers_modules_0_buffers_inv_freq_: "f32[4]", L_position_ids_: "i64[1, 4]", L_x_: "f32[1, 4, 8]", L_self_modules_layers_modules_1_buffers_inv_freq_: "f32[4]"):
+        l_self_modules_layers_modules_0_buffers_inv_freq_ = L_self_modules_layers_modules_0_buffers_inv_freq_
+        l_position_ids_ = L_position_ids_
+        l_x_ = L_x_
+        l_self_modules_layers_modules_1_buffers_inv_freq_ = L_self_modules_layers_modules_1_buffers_inv_freq_
+
+        getitem: "f32[1, 4, 1]" = l_self_modules_layers_modules_0_buffers_inv_freq_[(None, slice(None, None, None), None)];  l_self_modules_layers_modules_0_buffers_inv_freq_ = None
+        getitem_1: "i64[1, 1, 4]" = l_position_ids_[(slice(None, None, None), None, slice(None, None, None))];  l_position_ids_ = None
+        float_1: "f32[1, 1, 4]" = getitem_1.float();  getitem_1 = None
+        matmul: "f32[1, 4, 4]" = getitem @ float_1;  getitem = float_1 = None
+        angles: "f32[1, 4, 4]" = matmul.transpose(1, 2);  matmul = None
+
+        cos: "f32[1, 4, 4]" = angles.cos()
+        sin: "f32[1, 4, 4]" = angles.sin();  angles = None
+
+        x1: "f32[1, 4, 4]" = l_x_[(Ellipsis, slice(None, 4, None))]
+        x2: "f32[1, 4, 4]" = l_x_[(Ellipsis, slice(4, None, None))]
+
+        mul: "f32[1, 4, 4]" = x1 * cos
+        mul_1: "f32[1, 4, 4]" = x2 * sin
+        sub: "f32[1, 4, 4]" = mul - mul_1;  mul = mul_1 = None
+        mul_2: "f32[1, 4, 4]" = x1 * sin;  x1 = None
+        mul_3: "f32[1, 4, 4]" = x2 * cos;  x2 = None
+        add: "f32[1, 4, 4]" = mul_2 + mul_3;  mul_2 = mul_3 = None
+        cat: "f32[1, 4, 8]" = torch.cat([sub, add], -1);  sub = add = None
+
+        x: "f32[1, 4, 8]" = cat + l_x_;  cat = l_x_ = None
+
+        x1_1: "f32[1, 4, 4]" = x[(Ellipsis, slice(None, 4, None))]
+        x2_1: "f32[1, 4, 4]" = x[(Ellipsis, slice(4, None, None))]
+
+        mul_4: "f32[1, 4, 4]" = x1_1 * cos
+        mul_5: "f32[1, 4, 4]" = x2_1 * sin
+        sub_1: "f32[1, 4, 4]" = mul_4 - mul_5;  mul_4 = mul_5 = None
+        mul_6: "f32[1, 4, 4]" = x1_1 * sin;  x1_1 = sin = None
+        mul_7: "f32[1, 4, 4]" = x2_1 * cos;  x2_1 = cos = None
+        add_2: "f32[1, 4, 4]" = mul_6 + mul_7;  mul_6 = mul_7 = None
+        cat_1: "f32[1, 4, 8]" = torch.cat([sub_1, add_2], -1);  sub_1 = add_2 = None
+
+        x_1: "f32[1, 4, 8]" = cat_1 + x;  cat_1 = x = None
+        return (x_1,)
+""")
+        # Layer 1's inv_freq[None, :, None], position_ids[:, None, :], float, @, transpose, cos and sin.
+        self.assertEqual(counters["rope_dedup"]["merged_nodes"], 7)
+
+
 def test_tables_from_run_time_positions_are_merged() -> None:
-    recording = Recording()
+    recording = EagerAndRecordGraphs()
     model = PositionsStack(4)
     compiled = torch.compile(model, backend=RopeDedupBackend(recording, fold_constants=True, merge_computed=True))
     x = torch.randn(2, 16, 8)
@@ -289,7 +342,7 @@ class NotFoldable(nn.Module):
 
 
 def test_constant_subgraphs_that_must_not_fold() -> None:
-    recording = Recording()
+    recording = EagerAndRecordGraphs()
     backend = RopeDedupBackend(recording, fold_constants=True, merge_computed=True)
     compiled = torch.compile(NotFoldable(), backend=backend)
     x = torch.randn(8, 8)
@@ -313,7 +366,7 @@ def test_autocast_regions_are_not_merged_across_or_folded() -> None:
             inside = torch.outer(positions, freqs).cos()
         return x * outside + x * inside
 
-    graphs = Recording()
+    graphs = EagerAndRecordGraphs()
     torch.compile(f, backend=graphs)(torch.randn(16, 4))
     gm = graphs.graphs[0]
     pure = find_pure_nodes(gm)
@@ -330,7 +383,7 @@ def test_autocast_regions_are_not_merged_across_or_folded() -> None:
 def test_defaults_per_inner_backend() -> None:
     for inner, expected in COMPUTED_TABLE_DEFAULTS.items():
         assert RopeDedupBackend(inner).computed_table_transforms() == expected
-    assert RopeDedupBackend(Recording()).computed_table_transforms() == (False, False)
+    assert RopeDedupBackend(EagerAndRecordGraphs()).computed_table_transforms() == (False, False)
     assert RopeDedupBackend("eager", fold_constants=False, merge_computed=True).computed_table_transforms() == (
         False, True)
 
@@ -365,7 +418,7 @@ def test_toy_computed_layouts_match_the_stored_table(layout: str) -> None:
 
 def test_values_over_the_size_limit_are_never_computed(monkeypatch) -> None:
     monkeypatch.setattr(fold_rope_constants_module, "MAX_VALUE_BYTES", 100)  # the (16, 4) tables take 256
-    recording = Recording()
+    recording = EagerAndRecordGraphs()
     model, x = Stack([1e4, 1e4]), torch.randn(1, 16, 8)
     out = torch.compile(model, backend=RopeDedupBackend(recording, fold_constants=True))(x)
     torch.testing.assert_close(out, model(x), rtol=0, atol=0)
@@ -381,7 +434,7 @@ def test_reads_on_either_side_of_a_write_are_not_merged() -> None:
         after = torch.outer(x, inv_freq).cos()
         return before + after
 
-    recording = Recording()
+    recording = EagerAndRecordGraphs()
     x, inv_freq = torch.arange(16.0), 1.0 / (1e4 ** (torch.arange(0, 8, 2).float() / 8))
     compiled = torch.compile(f, backend=RopeDedupBackend(recording, fold_constants=True, merge_computed=True))
     torch.testing.assert_close(compiled(x.clone(), inv_freq), f(x.clone(), inv_freq), rtol=0, atol=0)

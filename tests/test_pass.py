@@ -7,6 +7,7 @@ import logging
 import expecttest
 import torch
 import torch.nn as nn
+from torch._dynamo.testing import EagerAndRecordGraphs, normalize_gm
 from torch.fx.passes.infra.pass_base import PassResult
 
 from rope_dedup import DedupReport, RopeDedupBackend, dedup_rope
@@ -50,11 +51,6 @@ class Stack(nn.Module):
         for layer in self.layers:
             x = layer(x)
         return x
-
-
-def normalize(code: str) -> str:
-    """Drop source-location comments and blank lines (they name files and lines that move)."""
-    return "\n".join(line for line in code.splitlines() if line.strip() and not line.strip().startswith("#"))
 
 
 def storages(model: nn.Module) -> int:
@@ -184,15 +180,11 @@ class WritesInPlace(nn.Module):
 
 class TestSafety(expecttest.TestCase):
     def test_find_mutations_sees_setitem_and_views(self) -> None:
-        graphs: list[torch.fx.GraphModule] = []
-
-        def recording(gm: torch.fx.GraphModule, example_inputs):
-            graphs.append(gm)
-            return gm.forward
-
+        recording = EagerAndRecordGraphs()
         torch._dynamo.reset()
         torch.compile(WritesInPlace(), backend=recording)(torch.randn(1, 16, 8))
-        written = {node.name: how for node, how in find_mutations(graphs[0]).items() if node.op == "placeholder"}
+        written = {node.name: how for node, how in find_mutations(recording.graphs[0]).items()
+                   if node.op == "placeholder"}
         self.assertEqual(written, {
             "l_self_buffers_cache_": "setitem",
             "l_self_buffers_cos_": "mul_ on a view of it (getitem_1)",
@@ -257,18 +249,14 @@ class TestSafety(expecttest.TestCase):
 
 class TestDynamoGraph(expecttest.TestCase):
     def test_rewritten_dynamo_graph(self) -> None:
-        graphs: list[str] = []
-
-        def recording(gm: torch.fx.GraphModule, example_inputs):
-            graphs.append(normalize(gm.print_readable(print_output=False, include_stride=False, include_device=False)))
-            return gm.forward
-
+        recording = EagerAndRecordGraphs()
         torch._dynamo.reset()
         model = Stack([1e4, 1e4])
         x = torch.randn(1, 16, 8)
         out = torch.compile(model, backend=RopeDedupBackend(recording))(x)
         torch.testing.assert_close(out, model(x), rtol=0, atol=0)
-        self.assertExpectedInline(graphs[0], """\
+        self.assertEqual(len(recording.graphs), 1)
+        self.assertExpectedInline(normalize_gm(recording.graphs[0].print_readable(print_output=False)), """\
 class GraphModule(torch.nn.Module):
     def forward(self, L_x_: "f32[1, 16, 8]", L_self_modules_layers_modules_0_modules_rope_buffers_cos_: "f32[16, 4]", L_self_modules_layers_modules_0_modules_rope_buffers_sin_: "f32[16, 4]", L_self_modules_layers_modules_1_modules_rope_buffers_cos_: "f32[16, 4]", L_self_modules_layers_modules_1_modules_rope_buffers_sin_: "f32[16, 4]"):
         l_x_ = L_x_
@@ -276,8 +264,10 @@ class GraphModule(torch.nn.Module):
         l_self_modules_layers_modules_0_modules_rope_buffers_sin_ = L_self_modules_layers_modules_0_modules_rope_buffers_sin_
         l_self_modules_layers_modules_1_modules_rope_buffers_cos_ = L_self_modules_layers_modules_1_modules_rope_buffers_cos_
         l_self_modules_layers_modules_1_modules_rope_buffers_sin_ = L_self_modules_layers_modules_1_modules_rope_buffers_sin_
+
         x1: "f32[1, 16, 4]" = l_x_[(Ellipsis, slice(None, 4, None))]
         x2: "f32[1, 16, 4]" = l_x_[(Ellipsis, slice(4, None, None))]
+
         mul: "f32[1, 16, 4]" = x1 * l_self_modules_layers_modules_0_modules_rope_buffers_cos_
         mul_1: "f32[1, 16, 4]" = x2 * l_self_modules_layers_modules_0_modules_rope_buffers_sin_
         sub: "f32[1, 16, 4]" = mul - mul_1;  mul = mul_1 = None
@@ -285,10 +275,13 @@ class GraphModule(torch.nn.Module):
         mul_3: "f32[1, 16, 4]" = x2 * l_self_modules_layers_modules_0_modules_rope_buffers_cos_;  x2 = None
         add: "f32[1, 16, 4]" = mul_2 + mul_3;  mul_2 = mul_3 = None
         cat: "f32[1, 16, 8]" = torch.cat([sub, add], -1);  sub = add = None
+
         mul_4: "f32[1, 16, 8]" = cat * 0.5;  cat = None
         x: "f32[1, 16, 8]" = mul_4 + l_x_;  mul_4 = l_x_ = None
+
         x1_1: "f32[1, 16, 4]" = x[(Ellipsis, slice(None, 4, None))]
         x2_1: "f32[1, 16, 4]" = x[(Ellipsis, slice(4, None, None))]
+
         mul_5: "f32[1, 16, 4]" = x1_1 * l_self_modules_layers_modules_0_modules_rope_buffers_cos_
         mul_6: "f32[1, 16, 4]" = x2_1 * l_self_modules_layers_modules_0_modules_rope_buffers_sin_
         sub_1: "f32[1, 16, 4]" = mul_5 - mul_6;  mul_5 = mul_6 = None
@@ -296,6 +289,8 @@ class GraphModule(torch.nn.Module):
         mul_8: "f32[1, 16, 4]" = x2_1 * l_self_modules_layers_modules_0_modules_rope_buffers_cos_;  x2_1 = l_self_modules_layers_modules_0_modules_rope_buffers_cos_ = None
         add_2: "f32[1, 16, 4]" = mul_7 + mul_8;  mul_7 = mul_8 = None
         cat_1: "f32[1, 16, 8]" = torch.cat([sub_1, add_2], -1);  sub_1 = add_2 = None
+
         mul_9: "f32[1, 16, 8]" = cat_1 * 0.5;  cat_1 = None
         x_1: "f32[1, 16, 8]" = mul_9 + x;  mul_9 = x = None
-        return (x_1,)""")
+        return (x_1,)
+""")

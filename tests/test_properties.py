@@ -14,9 +14,10 @@ import os
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from helpers import build, compile_model, unwrap
 from torch._dynamo.utils import counters
 from ideal import ideal_storages
-from rope_dedup.toy_decoder import FILLED_LAYOUTS, LAYOUTS, SCALINGS, RopeSpec, ToyDecoder, rope_tensors
+from rope_dedup.toy_decoder import FILLED_LAYOUTS, LAYOUTS, SCALINGS, RopeSpec, rope_tensors
 
 from rope_dedup import RopeDedupBackend
 
@@ -71,25 +72,6 @@ def moving_frequencies(tensor: torch.Tensor) -> int:
     return len({tuple(column.tolist()) for column in moving.T})
 
 
-def compile_model(model: ToyDecoder, backend, regional: bool):
-    if regional:
-        for i, block in enumerate(model.layers):
-            model.layers[i] = torch.compile(block, backend=backend)
-        return model
-    return torch.compile(model, backend=backend)
-
-
-def unwrap(model: ToyDecoder) -> ToyDecoder:
-    for i, block in enumerate(model.layers):
-        model.layers[i] = getattr(block, "_orig_mod", block)
-    return model
-
-
-def build(case) -> ToyDecoder:
-    torch.manual_seed(case["seed"])
-    return ToyDecoder(case["specs"], graph_break=case["graph_break"])
-
-
 @settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(decoders())
@@ -98,7 +80,7 @@ def test_random_decoders_keep_every_promise(case) -> None:
 
     torch._dynamo.reset()
     counters.clear()
-    plain_model = build(case)
+    plain_model = build(case["specs"], case["seed"], case["graph_break"])
     plain = compile_model(plain_model, case["inner"], case["regional"])
     expected = [plain(t) for t in tokens]
     plain_graphs = counters["stats"]["unique_graphs"]
@@ -107,7 +89,7 @@ def test_random_decoders_keep_every_promise(case) -> None:
 
     torch._dynamo.reset()
     counters.clear()
-    model = build(case)
+    model = build(case["specs"], case["seed"], case["graph_break"])
     fills = {name: t.clone() for name, t in rope_tensors(model) if written(name)}
     backend = RopeDedupBackend(case["inner"])
     compiled = compile_model(model, backend, case["regional"])

@@ -12,6 +12,7 @@ import torch
 import torch.nn as nn
 from real_models import REAL_MODELS, WITH_PERSISTENT_TABLES, RealCase, distinct_contents, unique_storages
 from safetensors.torch import load_model, save_file, save_model
+from torch._dynamo.testing import EagerAndRecordGraphs
 
 from rope_dedup import RopeDedupBackend, dedup_exported
 
@@ -140,18 +141,15 @@ def test_tables_computed_in_forward_are_merged(name: str) -> None:
     counts, outputs = {}, {}
     for merge in (False, True):
         torch._dynamo.reset()
-        seen: list[int] = []
-
-        def record(gm: torch.fx.GraphModule, example_inputs) -> object:
-            seen.append(cos_ops(gm))
-            return gm.forward
-
+        recording = EagerAndRecordGraphs()
         case = REAL_MODELS[name]()
-        backend = RopeDedupBackend(record, merge_computed=merge, share_persistent=True)
+        backend = RopeDedupBackend(recording, merge_computed=merge, share_persistent=True)
         outputs[merge] = settle(case, torch.compile(case.model, backend=backend))
-        counts[merge] = seen[0]
+        counts[merge] = cos_ops(recording.graphs[0])
     torch.testing.assert_close(outputs[True], outputs[False], rtol=0, atol=0)
     if name == "transformers-recurrentgemma":
         assert (counts[False], counts[True]) == (2, 1)
     else:
-        assert counts[True] < counts[False]
+        # One cos per query/key call, 2 layers: the two computed from the shared frozen ``freqs`` (before
+        # each layer's cache write) become one; the two reading each layer's just-written cache stay apart.
+        assert (counts[False], counts[True]) == (4, 3)
