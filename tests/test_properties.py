@@ -3,8 +3,10 @@
 For each generated model: outputs identical to the same compile without the pass (bitwise, inductor
 included); unique RoPE storages equal an ideal computed here from construction; caches written
 on every call keep their own storage; caches filled by the first call and only read after it (partly
-filled: the rest are zeros) are shared like any table; no extra graphs on repeated calls; every table the graphs read is shared or skipped with a
-reason. ``ROPE_DEDUP_PROPERTY_EXAMPLES`` sets the number of examples (default 100; the long run uses 500+).
+filled: the rest are zeros) are shared like any table; no extra graphs on repeated calls; every table
+the graphs read is shared or skipped with a reason. ``ROPE_DEDUP_PROPERTY_EXAMPLES`` sets the number of
+examples over the three inner backends (default 100: 50 eager, 40 aot_eager, 10 inductor; the long run
+uses 500+).
 """
 
 from __future__ import annotations
@@ -39,15 +41,14 @@ def rope_specs(draw) -> RopeSpec:
 
 
 @st.composite
-def decoders(draw):
+def decoders(draw, inner: str):
     distinct = draw(st.lists(rope_specs(), min_size=1, max_size=3))
     layers = draw(st.lists(st.sampled_from(distinct), min_size=1, max_size=5))
     return {
         "specs": layers,
         "graph_break": draw(st.booleans()),
         "regional": draw(st.booleans()),
-        # inductor costs seconds per compile: a small share of the examples.
-        "inner": draw(st.sampled_from(["eager"] * 5 + ["aot_eager"] * 4 + ["inductor"])),
+        "inner": inner,
         "seed": draw(st.integers(0, 2**16)),
     }
 
@@ -72,10 +73,7 @@ def moving_frequencies(tensor: torch.Tensor) -> int:
     return len({tuple(column.tolist()) for column in moving.T})
 
 
-@settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-@given(decoders())
-def test_random_decoders_keep_every_promise(case) -> None:
+def keeps_every_promise(case) -> None:
     tokens = [torch.randint(0, 64, (1, SEQ), generator=torch.Generator().manual_seed(i)) for i in range(2)]
 
     torch._dynamo.reset()
@@ -116,3 +114,20 @@ def test_random_decoders_keep_every_promise(case) -> None:
             assert name in shared or name in skipped, name
     assert all(reason for reason in skipped.values())
     assert not report.errors
+
+
+def random_decoders(inner: str, tenths: int):
+    """A property test over ``tenths``/10 of the examples, all compiled with ``inner``."""
+    @settings(max_examples=max(1, EXAMPLES * tenths // 10), deadline=None, derandomize=True, database=None,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @given(decoders(inner))
+    def test(case) -> None:
+        keeps_every_promise(case)
+    return test
+
+
+# One test per inner backend, so that pytest-xdist runs them side by side; inductor costs seconds per
+# compile: a small share of the examples.
+test_random_decoders_eager = random_decoders("eager", 5)
+test_random_decoders_aot_eager = random_decoders("aot_eager", 4)
+test_random_decoders_inductor = random_decoders("inductor", 1)
