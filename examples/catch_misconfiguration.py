@@ -14,7 +14,6 @@ layer and the field. :data:`CASES` lists each factory with its expectation and t
 
 from __future__ import annotations
 
-import math
 from typing import Any, Callable
 
 import torch

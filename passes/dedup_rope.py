@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+from typing import Sequence
 
 import torch
 import torch.fx
@@ -12,18 +12,10 @@ from rope_dedup.passes.find_mutations import find_mutations
 from rope_dedup.passes.find_rope_tables import Candidate, find_rope_candidates
 from rope_dedup.passes.redirect_to_canonical import redirect_to_canonical
 from rope_dedup.recognize import RopeTable, recognize_rope_table
+from rope_dedup.interning import WatchedInput
 from rope_dedup.report import DedupReport
 from rope_dedup.store import Action, CanonicalStore
 from rope_dedup.tensors import has_storage, local, memory_ptr, placement, storage_ptr
-
-
-class WatchedInput(NamedTuple):
-    """How to offer another tensor fed to the same graph input: the arguments the store got at compile time."""
-
-    path: str
-    kind: str
-    written: str | None
-    persistent: bool
 
 
 class RopeDedupResult(PassResult):

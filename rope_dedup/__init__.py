@@ -14,33 +14,28 @@ from rope_dedup.check import RopeMismatch
 from rope_dedup.config import RopeDedupConfig
 from rope_dedup.explain import Explanation, explain
 from rope_dedup.export import dedup_exported
-from rope_dedup.keys import RopeKey, infer_key
-from rope_dedup.recognize import NotRope, RopeTable, recognize_rope_table
-from rope_dedup.report import DedupReport, Group, Skip
+from rope_dedup.keys import RopeKey
+from rope_dedup.report import DedupReport, Departed, Group, Skip
 from rope_dedup.spec import RopeSpec
-from rope_dedup.store import CanonicalStore
 from rope_dedup.tracing import symbolic_trace
 from rope_dedup.unshare import unshare
 
+# What users call and read. Internals (the store, recognition, keying) stay importable from their modules.
 __all__ = [
-    "CanonicalStore",
     "DedupReport",
+    "Departed",
     "Explanation",
     "Group",
-    "NotRope",
     "RopeDedupBackend",
     "RopeDedupConfig",
     "RopeDedupResult",
     "RopeKey",
     "RopeMismatch",
     "RopeSpec",
-    "RopeTable",
     "Skip",
     "dedup_exported",
     "dedup_rope",
     "explain",
-    "infer_key",
-    "recognize_rope_table",
     "rope_dedup_backend",
     "symbolic_trace",
     "unshare",

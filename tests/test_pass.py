@@ -192,7 +192,6 @@ class TestSafety(expecttest.TestCase):
 
     def test_written_buffers_are_never_shared(self) -> None:
         model = WritesInPlace()
-        x = torch.randn(1, 16, 8)
         result = dedup_rope(torch.fx.symbolic_trace(model), share_persistent=True)
         skipped = {s.path: s.reason for s in result.report.skipped}
         self.assertIn("written in the graph (setitem)", skipped["cache"])

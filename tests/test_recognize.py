@@ -16,7 +16,9 @@ import torch.nn as nn
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rope_dedup import NotRope, RopeKey, RopeTable, infer_key, recognize_rope_table
+from rope_dedup import RopeKey
+from rope_dedup.keys import infer_key
+from rope_dedup.recognize import NotRope, RopeTable, recognize_rope_table
 from rope_dedup import toy_decoder as toy
 
 

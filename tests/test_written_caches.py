@@ -8,8 +8,9 @@ import torch
 from real_models import RotaryStack, unique_storages
 from torch._dynamo.utils import counters
 
-from rope_dedup import RopeDedupBackend, RopeKey, infer_key, recognize_rope_table
-from rope_dedup.recognize import NotRope, RopeTable
+from rope_dedup import RopeDedupBackend, RopeKey
+from rope_dedup.keys import infer_key
+from rope_dedup.recognize import NotRope, RopeTable, recognize_rope_table
 from rope_dedup.toy_decoder import ToyDecoder, homogeneous
 
 pytest.importorskip("rotary_embedding_torch")
