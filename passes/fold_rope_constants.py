@@ -18,7 +18,6 @@ rather than a chain they fuse and recompute; whether that pays is measured in do
 from __future__ import annotations
 
 import logging
-import re
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -33,7 +32,7 @@ from rope_dedup.passes.find_pure_nodes import find_pure_nodes, node_key
 from rope_dedup.passes.find_rope_tables import find_rope_candidates
 from rope_dedup.passes.redirect_to_canonical import redirect_to_canonical
 from rope_dedup.recognize import RopeTable, recognize_rope_table
-from rope_dedup.sources import declare_constant_source
+from rope_dedup.sources import declare_constant_source, module_path
 from rope_dedup.store import CanonicalStore
 
 log = logging.getLogger("rope_dedup")
@@ -261,7 +260,7 @@ def _replace(gm: torch.fx.GraphModule, constant: list[torch.fx.Node], representa
         reader.meta.update(nodes[0].meta)
         for node in nodes:
             node.replace_all_uses_with(reader)
-        name = f"{_module_path(point)}:{point.name}"
+        name = f"{module_path(point) or 'forward'}:{point.name}"
         status = store.offer(tensor, name, "attribute").action.value if store is not None else "canonical"
         folded.append(FoldedTable(attribute, name, tuple(n.name for n in nodes), status))
         log.debug("rope_dedup: folded %s (%d node(s)) into %s: %s", name, len(nodes), attribute, status)
@@ -281,18 +280,6 @@ def _free_attribute(gm: torch.fx.GraphModule) -> str:
     while hasattr(gm, f"{ATTRIBUTE_PREFIX}{index}"):
         index += 1
     return f"{ATTRIBUTE_PREFIX}{index}"
-
-
-def _module_path(node: torch.fx.Node) -> str:
-    """``layers.0.attention.rope`` from dynamo's ``nn_module_stack`` (``L['self'].layers[0]...``), for humans."""
-    stack = node.meta.get("nn_module_stack") or {}
-    if not stack:
-        return "forward"
-    path = str(list(stack.values())[-1][0])
-    path = re.sub(r"^L\['self'\]\.?", "", path)
-    path = re.sub(r"\[(\d+)\]", r".\1", path)
-    path = re.sub(r"\['([^']+)'\]", r".\1", path)
-    return path.strip(".") or "forward"
 
 
 def _erase_dead(gm: torch.fx.GraphModule, constant: list[torch.fx.Node]) -> None:

@@ -12,7 +12,6 @@ names the layer from the multiply's ``nn_module_stack``: dynamo records the modu
 from __future__ import annotations
 
 import operator
-import re
 from collections import deque
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Sequence
@@ -23,7 +22,7 @@ import torch.fx
 from rope_dedup.keys import RopeKey, infer_key
 from rope_dedup.recognize import RopeTable, recognize_rope_table
 from rope_dedup.report import tensor_paths
-from rope_dedup.sources import attribute_origin, placeholder_origin
+from rope_dedup.sources import attribute_origin, module_path, placeholder_origin
 
 _MULTIPLY = {operator.mul, torch.mul, torch.Tensor.mul, "mul"}
 _TRIG = {torch.cos, torch.sin, torch.polar, torch.Tensor.cos, torch.Tensor.sin, "cos", "sin"}
@@ -265,18 +264,6 @@ def table_parts(rows: torch.Tensor, layout: str) -> dict[str, torch.Tensor]:
             piece = piece[:, 0::2]
         parts[kind] = piece
     return parts
-
-
-def module_path(node: torch.fx.Node) -> str:
-    """``model.layers.0.self_attn`` from dynamo's ``nn_module_stack`` (``L['model'].model.layers[0]...``)."""
-    stack = node.meta.get("nn_module_stack") or {}
-    if not stack:
-        return ""
-    path = str(list(stack.values())[-1][0])
-    path = re.sub(r"^[LG]\['[^']*'\]\.?", "", path)
-    path = re.sub(r"\[(\d+)\]", r".\1", path)
-    path = re.sub(r"\['([^']+)'\]", r".\1", path)
-    return path.strip(".")
 
 
 def layer_of(module: str) -> str:

@@ -7,6 +7,7 @@ module that touches that private API; everything else sees a :class:`InputOrigin
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -124,3 +125,15 @@ def declare_constant_source(gm: torch.fx.GraphModule, attribute: str) -> None:
         from torch._dynamo.source import ConstantSource
 
         sources[attribute] = ConstantSource(attribute)
+
+
+def module_path(node: torch.fx.Node) -> str:
+    """``model.layers.0.self_attn`` from dynamo's ``nn_module_stack`` (``L['model'].model.layers[0]...``)."""
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return ""
+    path = str(list(stack.values())[-1][0])
+    path = re.sub(r"^[LG]\['[^']*'\]\.?", "", path)
+    path = re.sub(r"\[(\d+)\]", r".\1", path)
+    path = re.sub(r"\['([^']+)'\]", r".\1", path)
+    return path.strip(".")
