@@ -41,7 +41,7 @@ class Skip:
 
     path: str
     reason: str
-    kind: SkipReason | None = None
+    kind: SkipReason
 
 
 @dataclass(frozen=True)
@@ -145,8 +145,8 @@ class DedupReport:
         if self.skipped:
             lines.append(f"skipped {len(self.skipped)}:")
             # Weights are the bulk of any model's skips and never a RoPE table: one line, so RoPE news stands out.
-            by_reason = Counter(s.reason for s in self.skipped)
-            trainable = by_reason.pop(SkipReason.TRAINABLE.value, 0)
+            trainable = sum(s.kind is SkipReason.TRAINABLE for s in self.skipped)
+            by_reason = Counter(s.reason for s in self.skipped if s.kind is not SkipReason.TRAINABLE)
             if trainable:
                 lines.append(f"  {trainable} trainable parameter(s) (requires grad): never shared, not listed")
             for reason, count in by_reason.items():
@@ -158,11 +158,13 @@ class DedupReport:
             replaced = [d for d in self.departed if d.replaced]
             if replaced:
                 replacement = format_bytes(sum(d.replacement_bytes for d in replaced))
-                lines.append(f"  replaced by a tensor with its own storage ({replacement} in all), shared again when a compiled graph reads it, not while dynamo runs the frame "
-                             f"eagerly (past its recompile limit): {_listed([d.path for d in replaced])}")
+                lines.append(f"  replaced by a tensor with its own storage ({replacement} in all), shared again when "
+                             f"a compiled graph reads it, not while dynamo runs the frame eagerly (past its "
+                             f"recompile limit): {_listed([d.path for d in replaced])}")
             gone = [d.path for d in self.departed if not d.replaced]
             if gone:
-                lines.append(f"  freed: the owner dropped or replaced it (report_for(model) tells which): {_listed(gone)}")
+                lines.append(f"  freed: the owner dropped or replaced it (report_for(model) tells which): "
+                             f"{_listed(gone)}")
         return "\n".join(lines)
 
 
