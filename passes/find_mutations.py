@@ -1,9 +1,11 @@
-"""Find graph values that are written in place, directly or through a view.
+"""Find graph values that are written in place, directly or through a view; the package's one
+definition of "may alias" and "writes".
 
 A RoPE cache filled lazily in ``forward`` (lucidrains' rotary-embedding-torch) or updated by
 ``setitem`` is state, not a constant: sharing it would let one layer's write show up in another.
 The analysis is conservative: every op known to return a view (or possibly its input itself)
 propagates aliasing, and handing a value to a submodule the pass cannot see into counts as a write.
+:mod:`find_pure_nodes` builds on the same rules.
 """
 
 from __future__ import annotations
@@ -56,6 +58,13 @@ def writes_first_arg(node: torch.fx.Node) -> str | None:
     return None
 
 
+def writes(node: torch.fx.Node) -> str | None:
+    """How ``node`` writes memory (an argument in place, or ``out=``), or None if it writes nothing."""
+    if node.kwargs.get("out") is not None:
+        return f"{op_name(node)}(out=...)"
+    return writes_first_arg(node)
+
+
 def find_mutations(gm: torch.fx.GraphModule) -> dict[torch.fx.Node, str]:
     """Map each node whose value is written in place (or through a view of it) to how it is written."""
     result: dict[torch.fx.Node, str] = {}
@@ -69,6 +78,7 @@ def find_mutations(gm: torch.fx.GraphModule) -> dict[torch.fx.Node, str]:
 
 
 def _write_by(user: torch.fx.Node, value: torch.fx.Node) -> str | None:
+    """How ``user`` writes ``value`` in particular, or None."""
     if user.op == "call_module":
         if value in user.args or value in user.kwargs.values():
             return f"passed to submodule {user.target!r}, which the pass cannot inspect"
@@ -95,21 +105,35 @@ def aliases(node: torch.fx.Node) -> list[torch.fx.Node]:
     while stack:
         current = stack.pop()
         for user in current.users:
-            if user in seen or user.op not in ("call_function", "call_method"):
-                continue
-            name = op_name(user)
-            if name in VIEW_NAMES or is_view_overload(user):
-                if user.args and (user.args[0] is current or current in _flat(user.args[0])):
-                    seen.append(user)
-                    stack.append(user)
+            if user not in seen and current in view_bases(user):
+                seen.append(user)
+                stack.append(user)
     return seen
 
 
-def _flat(arg) -> list:
-    return list(arg) if isinstance(arg, (list, tuple)) else [arg]
+def output_aliases(gm: torch.fx.GraphModule) -> set[torch.fx.Node]:
+    """Graph outputs and every node one of them may be a view of (what the caller receives)."""
+    found: set[torch.fx.Node] = set()
+    stack = [n for n in gm.graph.nodes if n.op == "output" for n in n.all_input_nodes]
+    while stack:
+        node = stack.pop()
+        if node not in found:
+            found.add(node)
+            stack += view_bases(node)
+    return found
 
 
-def is_view_overload(node: torch.fx.Node) -> bool:
+def view_bases(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """The values ``node`` may be a view of (or be itself): its first argument's nodes, for a view-like op."""
+    if node.op not in ("call_function", "call_method") or not node.args:
+        return []
+    if op_name(node) not in VIEW_NAMES and not _is_view_overload(node):
+        return []
+    first = node.args[0]
+    return [a for a in (first if isinstance(first, (list, tuple)) else [first]) if isinstance(a, torch.fx.Node)]
+
+
+def _is_view_overload(node: torch.fx.Node) -> bool:
     target = node.target
     if isinstance(target, torch._ops.OpOverload):
         return any(a.alias_info is not None and not a.alias_info.is_write for a in target._schema.arguments[:1])

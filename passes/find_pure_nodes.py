@@ -23,7 +23,6 @@ across.
 from __future__ import annotations
 
 import functools
-import operator
 from dataclasses import dataclass
 from typing import Any, Callable, Hashable
 
@@ -31,14 +30,7 @@ import torch
 import torch.fx
 
 # The view and write rules are find_mutations' own: one definition of "may alias" and "writes" for the package.
-from rope_dedup.passes.find_mutations import (
-    VIEW_NAMES,
-    aliases,
-    find_mutations,
-    is_view_overload,
-    op_name,
-    writes_first_arg,
-)
+from rope_dedup.passes.find_mutations import aliases, find_mutations, op_name, output_aliases, writes
 
 # Side effects that change nothing a later node computes.
 _HARMLESS_EFFECTS = {torch._assert, torch._check, torch._assert_async}
@@ -57,7 +49,7 @@ class State:
 def find_pure_nodes(gm: torch.fx.GraphModule) -> dict[torch.fx.Node, State]:
     """Map every pure node of ``gm`` (see the module docstring) to the global state it runs under."""
     written = {alias for node in find_mutations(gm) for alias in aliases(node)}
-    escaping = _escaping(gm)
+    escaping = output_aliases(gm)
     pure: dict[torch.fx.Node, State] = {}
     state = State()
     autocast: list[tuple] = []
@@ -77,7 +69,7 @@ def find_pure_nodes(gm: torch.fx.GraphModule) -> dict[torch.fx.Node, State]:
         if target is torch._C._set_grad_enabled:
             state = State(state.autocast, bool(node.args[0]) if node.args else None, state.epoch)
             continue
-        if _writes(node):
+        if writes(node) is not None:
             continue
         if node.op == "call_function" and (isinstance(target, torch._ops.HigherOrderOperator) or node.is_impure()):
             if target not in _HARMLESS_EFFECTS:
@@ -128,13 +120,6 @@ def _normalize(value: Any, rename: Callable[[torch.fx.Node], Any]) -> Hashable:
     return ("object", id(value))  # the same object: the same argument (functions, enum members, ...)
 
 
-def _writes(node: torch.fx.Node) -> bool:
-    if node.target is operator.setitem:
-        return True
-    out = node.kwargs.get("out")
-    return out is not None or writes_first_arg(node) is not None
-
-
 def _draws_random(node: torch.fx.Node) -> bool:
     """aten ops tagged nondeterministic_seeded, found from the overload, or from the function's name."""
     target = node.target
@@ -155,20 +140,3 @@ def _aten_draws_random(name: str) -> bool:
     if not isinstance(packet, torch._ops.OpOverloadPacket):
         return False
     return any(torch.Tag.nondeterministic_seeded in getattr(packet, o).tags for o in packet.overloads())
-
-
-def _escaping(gm: torch.fx.GraphModule) -> set[torch.fx.Node]:
-    """Graph outputs and every node one of them may be a view of."""
-    escaping: set[torch.fx.Node] = set()
-    stack = [n for n in gm.graph.nodes if n.op == "output" for n in n.all_input_nodes]
-    while stack:
-        node = stack.pop()
-        if node in escaping:
-            continue
-        escaping.add(node)
-        is_view = op_name(node) in VIEW_NAMES or is_view_overload(node)
-        if node.op in ("call_function", "call_method") and is_view and node.args:
-            first = node.args[0]
-            bases = first if isinstance(first, (list, tuple)) else [first]
-            stack += [base for base in bases if isinstance(base, torch.fx.Node)]
-    return escaping

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rope_dedup.tensors import is_dtensor, local
+from rope_dedup.tensors import is_dtensor, is_plain, local
 
 
 class SkipReason(enum.Enum):
@@ -48,6 +48,12 @@ class Refusal:
 
 
 
+def in_state_dict(kind: str, persistent: bool | None) -> bool:
+    """Whether module state of this kind is saved in a ``state_dict``: a parameter always, a buffer unless
+    registered with ``persistent=False`` (``persistent`` None: not known, so assume saved)."""
+    return kind == "parameter" or (kind == "buffer" and persistent is not False)
+
+
 def why_not_shareable(tensor: torch.Tensor, written: str | None, persistent: bool = False,
                       share_persistent: bool = False) -> Refusal | None:
     """Return why a tensor must keep its own storage, or None if it may be shared.
@@ -69,7 +75,7 @@ def why_not_shareable(tensor: torch.Tensor, written: str | None, persistent: boo
         if sharded:
             return Refusal(SkipReason.SHARDED, ", ".join(map(str, sharded)))
         tensor = local(tensor)
-    if type(tensor) not in (torch.Tensor, torch.nn.Parameter):
+    if not is_plain(tensor):
         return Refusal(SkipReason.SUBCLASS, type(tensor).__name__)
     if tensor.is_meta:
         return Refusal(SkipReason.META)

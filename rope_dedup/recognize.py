@@ -15,6 +15,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from rope_dedup.tensors import is_plain, local
+
 # Positions the rebuild check looks at in a long table (all of them in a short one).
 _CHECKED_ROWS = 4096
 # Relative rounding a float32 angle ``p * f`` picks up when a model computes its table: a few ulps.
@@ -55,9 +57,14 @@ def _floor(dtype: torch.dtype) -> float:
     return torch.finfo(real).smallest_normal * torch.finfo(real).eps
 
 
+def is_rope_table(tensor: torch.Tensor) -> bool:
+    """Whether a tensor holds a RoPE table (a DTensor: its local shard): the test every pass applies."""
+    return isinstance(recognize_rope_table(local(tensor)), RopeTable)
+
+
 def recognize_rope_table(tensor: torch.Tensor) -> RopeTable | NotRope:
     """Return the :class:`RopeTable` a tensor holds, or :class:`NotRope` with the reason it is not one."""
-    if type(tensor) not in (torch.Tensor, torch.nn.Parameter):
+    if not is_plain(tensor):
         return NotRope(f"tensor subclass {type(tensor).__name__} is not supported")
     if tensor.is_meta:
         return NotRope("meta tensor: it has no data to compare")

@@ -50,12 +50,16 @@ def storage_nbytes(tensor: torch.Tensor) -> int:
     return local(tensor).untyped_storage().nbytes()
 
 
+def is_plain(tensor: torch.Tensor) -> bool:
+    """A tensor or parameter, not a subclass: the only kind whose data rope_dedup reads, compares or aliases
+    (a subclass may hold no data of its own, or several tensors)."""
+    return type(tensor) in (torch.Tensor, torch.nn.Parameter)
+
+
 def has_storage(tensor: torch.Tensor) -> bool:
     """Whether the tensor's memory can be compared by address (not meta, not a storage-less wrapper)."""
     inner = local(tensor)
-    if inner.is_meta or type(inner) not in (torch.Tensor, torch.nn.Parameter):
-        return False
-    return True
+    return is_plain(inner) and not inner.is_meta
 
 
 def same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
