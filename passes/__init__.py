@@ -1,10 +1,14 @@
 """Graph rewrites, installed as ``rope_dedup.passes``: each module one pass or analysis, named for its job.
 
-- :mod:`find_rope_tables` lists the module state a graph reads (the candidates);
-- :mod:`find_mutations` finds values written in place, directly or through views;
-- :mod:`redirect_to_canonical` rewrites uses of duplicate table nodes to the canonical node;
-- :mod:`dedup_rope` is the pass that ties them to the canonical store;
-- :mod:`find_pure_nodes` finds the nodes safe to merge or to compute ahead of time;
+- :mod:`pipeline` declares the passes the backend runs, in order, and :mod:`pass_base` the loop that
+  runs them (lint, recompile and timing once per pass) and the result every pass returns;
+- :mod:`dedup_rope` shares identical RoPE tables through the canonical store and rewrites their uses;
 - :mod:`merge_rope_subgraphs` merges identical RoPE computations in ``forward`` (CSE);
-- :mod:`fold_rope_constants` folds constant-only RoPE computations into one shared table each.
+- :mod:`fold_rope_constants` folds constant-only RoPE computations into one shared table each;
+- :mod:`dedup_exported` does what ``dedup_rope`` does for a ``torch.export`` program;
+
+and the analyses they use: :mod:`find_candidates` lists the module state a graph reads,
+:mod:`find_mutations` finds values written in place (the package's rules for "may alias" and
+"writes"), :mod:`find_pure_nodes` the nodes safe to merge or compute ahead of time, and
+:mod:`redirect_to_canonical` points the uses of duplicate nodes at one node.
 """

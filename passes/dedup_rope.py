@@ -6,32 +6,15 @@ from typing import Sequence
 
 import torch
 import torch.fx
-from torch.fx.passes.infra.pass_base import PassResult
 
-from rope_dedup.passes.find_mutations import find_mutations
-from rope_dedup.passes.find_rope_tables import Candidate, find_rope_candidates
-from rope_dedup.passes.redirect_to_canonical import redirect_to_canonical
-from rope_dedup.recognize import RopeTable, recognize_rope_table
 from rope_dedup.interning import WatchedInput
-from rope_dedup.report import DedupReport
+from rope_dedup.passes.find_candidates import Candidate, find_candidates
+from rope_dedup.passes.find_mutations import find_mutations
+from rope_dedup.passes.pass_base import GraphPass, PassContext, RopePassResult, run_passes
+from rope_dedup.passes.redirect_to_canonical import redirect_to_canonical
+from rope_dedup.recognize import is_rope_table
 from rope_dedup.store import Action, CanonicalStore
 from rope_dedup.tensors import has_storage, local, memory_ptr, placement, storage_ptr
-
-
-class RopeDedupResult(PassResult):
-    """A ``PassResult`` that also carries the report and what run-time interning needs.
-
-    ``watched_inputs``: example-input position -> :class:`WatchedInput` for every state input except
-    parameters that are not RoPE tables (see :func:`_worth_watching`). With regional compile one graph serves every block, so each block's tensor at
-    that input is offered to the store on first sight: shared, or skipped with the same reason (a
-    written cache) or its own (a buffer not RoPE-like here may be a table in another block).
-    ``merged_inputs``: groups of input positions whose uses now read the first one; valid only while
-    they share memory, which the backend checks on every call.
-    """
-
-    report: DedupReport
-    watched_inputs: dict[int, WatchedInput]
-    merged_inputs: list[tuple[int, ...]]
 
 
 def dedup_rope(
@@ -41,7 +24,7 @@ def dedup_rope(
     store: CanonicalStore | None = None,
     share_persistent: bool = False,
     redirect_inputs: bool = True,
-) -> RopeDedupResult:
+) -> RopePassResult:
     """Share identical RoPE tables read by ``gm`` and rewrite the graph to read one node per table.
 
     Why: every attention layer that builds its own RoPE cache holds an identical copy; at long context
@@ -55,12 +38,28 @@ def dedup_rope(
     ``redirect_inputs=False`` leaves placeholders reading shared tables apart (their memory is shared
     all the same): one node per table lets inductor fuse differently, which moves gradients in the
     last bits (measured on Persimmon), and only ``merge_rope_subgraphs`` needs it.
+
+    The result's ``report`` lists what was shared and skipped (also in ``gm.meta["rope_dedup_report"]``);
+    ``watched_inputs`` and ``merged_inputs`` are what run-time interning needs (see
+    :class:`~rope_dedup.passes.pass_base.RopePassResult`).
     """
     if store is None:
         store = CanonicalStore(share_persistent=share_persistent)
     elif share_persistent and not store.share_persistent:
         raise ValueError("share_persistent=True conflicts with the store's policy: make the store with it")
-    candidates = find_rope_candidates(gm, example_inputs)
+    return run_passes(gm, example_inputs, [DEDUP_ROPE], PassContext(store, redirect_inputs))
+
+
+def _share_tables(gm: torch.fx.GraphModule, example_inputs: Sequence | None, context: PassContext) -> RopePassResult:
+    """Offer every state tensor the graph reads to the store, then point duplicate nodes at one per table.
+
+    ``watched_inputs`` holds every state input except parameters that are not RoPE tables (see
+    :func:`_worth_watching`): with regional compile one graph serves every block, so each block's tensor
+    at that input is offered on first sight, shared, or skipped with the same reason (a written cache) or
+    its own (a buffer not RoPE-like here may be a table in another block).
+    """
+    store = context.store
+    candidates = find_candidates(gm, example_inputs)
     written = _written_candidates(candidates, find_mutations(gm))
     kept: list[Candidate] = []
     watched: dict[int, WatchedInput] = {}
@@ -71,16 +70,14 @@ def dedup_rope(
             kept.append(candidate)
         if candidate.input_index is not None and (not skipped or _worth_watching(candidate)):
             watched[candidate.input_index] = how
-    if not redirect_inputs:
+    if not context.redirect_inputs:
         kept = [c for c in kept if c.input_index is None]
     duplicates, merged = duplicates_by_memory(kept) if not store.dry_run else ({}, [])
     modified = redirect_to_canonical(gm, duplicates)
-    result = RopeDedupResult(gm, modified)
-    result.report = DedupReport.from_store(store)
-    result.watched_inputs = watched
-    result.merged_inputs = merged
-    gm.meta["rope_dedup_report"] = result.report
-    return result
+    return RopePassResult(gm, modified, watched_inputs=watched, merged_inputs=merged)
+
+
+DEDUP_ROPE = GraphPass("dedup_rope", _share_tables)
 
 
 def _worth_watching(candidate: Candidate) -> bool:
@@ -92,8 +89,7 @@ def _worth_watching(candidate: Candidate) -> bool:
     """
     if candidate.kind != "parameter":
         return True
-    tensor = candidate.tensor
-    return not tensor.requires_grad and isinstance(recognize_rope_table(local(tensor)), RopeTable)
+    return not candidate.tensor.requires_grad and is_rope_table(candidate.tensor)
 
 
 def _written_candidates(candidates: list[Candidate], mutations: dict[torch.fx.Node, str]) -> dict[torch.fx.Node, str]:

@@ -24,14 +24,14 @@ from typing import Any, Sequence
 import torch
 import torch.fx
 from torch._dynamo.utils import counters
-from torch.fx.passes.infra.pass_base import PassResult
 from torch.utils._python_dispatch import _disable_current_modes
 
 from rope_dedup.passes.dedup_rope import duplicates_by_memory
+from rope_dedup.passes.find_candidates import find_candidates
 from rope_dedup.passes.find_pure_nodes import find_pure_nodes, node_key
-from rope_dedup.passes.find_rope_tables import find_rope_candidates
+from rope_dedup.passes.pass_base import GraphPass, PassContext, RopePassResult, run_passes
 from rope_dedup.passes.redirect_to_canonical import redirect_to_canonical
-from rope_dedup.recognize import RopeTable, recognize_rope_table
+from rope_dedup.recognize import is_rope_table
 from rope_dedup.sources import declare_constant_source, module_path
 from rope_dedup.store import CanonicalStore
 
@@ -53,25 +53,24 @@ class FoldedTable:
     status: str  # the store's answer: canonical, shared (aliased onto an equal table) or skipped
 
 
-class FoldResult(PassResult):
-    """A ``PassResult`` that also lists the constants created (``folded``)."""
-
-    folded: list[FoldedTable]
-
-
 def fold_rope_constants(
     gm: torch.fx.GraphModule,
     example_inputs: Sequence | None = None,
     *,
     store: CanonicalStore | None = None,
-) -> FoldResult:
+) -> RopePassResult:
     """Replace each constant-only subgraph that ends in a RoPE table by a ``get_attr`` of its value.
 
     ``store`` (a backend's) receives each new constant as an ``attribute``: it appears in the report and
     shares storage with equal tables of other graphs. ``example_inputs`` is accepted for the pass
-    signature's sake: folded subgraphs read no input by definition. Counts replaced nodes in
-    ``counters["rope_dedup"]["folded_nodes"]`` and constants in ``["folded_tables"]``.
+    signature's sake: folded subgraphs read no input by definition. The result's ``folded`` lists the
+    constants created; replaced nodes are counted in ``counters["rope_dedup"]["folded_nodes"]`` and
+    constants in ``["folded_tables"]``.
     """
+    return run_passes(gm, example_inputs, [FOLD_ROPE_CONSTANTS], PassContext(store))
+
+
+def _fold(gm: torch.fx.GraphModule, example_inputs: Sequence | None, context: PassContext) -> RopePassResult:
     pure = find_pure_nodes(gm)
     constant: list[torch.fx.Node] = []  # pure nodes outside autocast that read no placeholder or attribute
     constant_set: set[torch.fx.Node] = set()
@@ -88,24 +87,19 @@ def fold_rope_constants(
             for point in _fold_points(representative[node], values, constant_set):
                 points.setdefault(point)
     if not points:
-        return _result(gm, False, [])
-    folded = _replace(gm, constant, representative, points, values, store)
+        return RopePassResult(gm, False)
+    folded = _replace(gm, constant, representative, points, values, context.store)
     _erase_dead(gm, constant)
     # Constants the store aliased onto one memory: every reader reads the first one.
     attributes = {f.attribute for f in folded}
-    readers = [c for c in find_rope_candidates(gm) if c.node.target in attributes]
+    readers = [c for c in find_candidates(gm) if c.node.target in attributes]
     redirect_to_canonical(gm, duplicates_by_memory(readers)[0])
-    gm.graph.lint()
-    gm.recompile()
     counters["rope_dedup"]["folded_nodes"] += sum(len(f.replaced) for f in folded)
     counters["rope_dedup"]["folded_tables"] += len(folded)
-    return _result(gm, True, folded)
+    return RopePassResult(gm, True, folded=folded)
 
 
-def _result(gm: torch.fx.GraphModule, modified: bool, folded: list[FoldedTable]) -> FoldResult:
-    result = FoldResult(gm, modified)
-    result.folded = folded
-    return result
+FOLD_ROPE_CONSTANTS = GraphPass("fold_rope_constants", _fold)
 
 
 def _representatives(constant: list[torch.fx.Node], pure: dict) -> dict[torch.fx.Node, torch.fx.Node]:
@@ -234,9 +228,9 @@ def _may_be_table(node: torch.fx.Node) -> bool:
 
 
 def _is_rope_table(value: Any) -> bool:
-    if type(value) is not torch.Tensor or value.requires_grad or value.is_meta or value.numel() == 0:
-        return False
-    return isinstance(recognize_rope_table(value), RopeTable)
+    """A RoPE table that may become a constant: a plain tensor (a subclass, a DTensor say, carries run-time
+    state) that needs no gradient."""
+    return type(value) is torch.Tensor and not value.requires_grad and is_rope_table(value)
 
 
 def _replace(gm: torch.fx.GraphModule, constant: list[torch.fx.Node], representative: dict,

@@ -22,14 +22,13 @@ from typing import Callable, Hashable, Sequence
 import torch
 import torch.fx
 from torch._dynamo.utils import counters
-from torch.fx.passes.infra.pass_base import PassResult
 
+from rope_dedup.passes.find_candidates import find_candidates
 from rope_dedup.passes.find_pure_nodes import find_pure_nodes, node_key
-from rope_dedup.passes.find_rope_tables import find_rope_candidates
-from rope_dedup.recognize import RopeTable, recognize_rope_table
+from rope_dedup.passes.pass_base import GraphPass, PassContext, RopePassResult, run_passes
+from rope_dedup.recognize import is_rope_table
 from rope_dedup.sources import placeholder_origin
 from rope_dedup.store import CanonicalStore
-from rope_dedup.tensors import local
 
 
 def merge_rope_subgraphs(
@@ -37,14 +36,19 @@ def merge_rope_subgraphs(
     example_inputs: Sequence | None = None,
     *,
     store: CanonicalStore | None = None,
-) -> PassResult:
+) -> RopePassResult:
     """Replace every RoPE computation that repeats an earlier identical one by that earlier node.
 
     The RoPE tables among the module state the graph reads (``example_inputs`` for dynamo graphs) are
     those ``store`` holds (after :func:`dedup_rope` with it: a pointer lookup), or without a store those
-    recognized from their content. Counts merged nodes in ``counters["rope_dedup"]["merged_nodes"]``.
+    recognized from their content. The result's ``merged_nodes`` says how many nodes went; they are also
+    counted in ``counters["rope_dedup"]["merged_nodes"]``.
     """
-    is_table = _table_nodes(gm, example_inputs, store).__contains__
+    return run_passes(gm, example_inputs, [MERGE_ROPE_SUBGRAPHS], PassContext(store))
+
+
+def _merge(gm: torch.fx.GraphModule, example_inputs: Sequence | None, context: PassContext) -> RopePassResult:
+    is_table = _table_nodes(gm, example_inputs, context.store).__contains__
     pure = find_pure_nodes(gm)
     kinds: dict[torch.fx.Node, str] = {}
     first: dict[Hashable, torch.fx.Node] = {}
@@ -61,11 +65,11 @@ def merge_rope_subgraphs(
             node.replace_all_uses_with(representative)
             gm.graph.erase_node(node)
             merged += 1
-    if merged:
-        gm.graph.lint()
-        gm.recompile()
-        counters["rope_dedup"]["merged_nodes"] += merged
-    return PassResult(gm, bool(merged))
+    counters["rope_dedup"]["merged_nodes"] += merged
+    return RopePassResult(gm, bool(merged), merged_nodes=merged)
+
+
+MERGE_ROPE_SUBGRAPHS = GraphPass("merge_rope_subgraphs", _merge)
 
 
 def _kind(node: torch.fx.Node, kinds: dict[torch.fx.Node, str], pure: dict,
@@ -92,7 +96,7 @@ def _kind(node: torch.fx.Node, kinds: dict[torch.fx.Node, str], pure: dict,
 def _table_nodes(gm: torch.fx.GraphModule, example_inputs: Sequence | None,
                  store: CanonicalStore | None) -> set[torch.fx.Node]:
     """Nodes reading module state that holds a RoPE table: known to ``store``, or recognized from content."""
-    candidates = find_rope_candidates(gm, example_inputs)
+    candidates = find_candidates(gm, example_inputs)
     if store is not None:
         return {c.node for c in candidates if store.is_interned(c.tensor)}
-    return {c.node for c in candidates if isinstance(recognize_rope_table(local(c.tensor)), RopeTable)}
+    return {c.node for c in candidates if is_rope_table(c.tensor)}

@@ -9,7 +9,7 @@ def redirect_to_canonical(gm: torch.fx.GraphModule, duplicates: dict[torch.fx.No
     """Point each duplicate's users at its canonical node; drop duplicate ``get_attr`` nodes left unused.
 
     Placeholders stay (a compiled graph's signature is fixed by its caller) but lose their users.
-    Returns whether the graph changed.
+    Returns whether the graph changed; the caller lints and recompiles it.
     """
     modified = False
     for duplicate, canonical in duplicates.items():
@@ -19,7 +19,4 @@ def redirect_to_canonical(gm: torch.fx.GraphModule, duplicates: dict[torch.fx.No
         if duplicate.op == "get_attr":
             gm.graph.erase_node(duplicate)
             modified = True
-    if modified:
-        gm.graph.lint()
-        gm.recompile()
     return modified

@@ -8,12 +8,13 @@ examined ends up shared or skipped with a reason in the report. :func:`explain` 
 attention layer applies, and with ``expect=RopeSpec(...)`` or ``expect="config"`` checks it.
 """
 
-from rope_dedup.passes.dedup_rope import RopeDedupResult, dedup_rope
 from rope_dedup.backend import RopeDedupBackend, rope_dedup_backend
 from rope_dedup.check import RopeMismatch
 from rope_dedup.config import RopeDedupConfig
 from rope_dedup.explain import Explanation, explain
-from rope_dedup.export import dedup_exported
+from rope_dedup.passes.dedup_exported import dedup_exported
+from rope_dedup.passes.dedup_rope import dedup_rope
+from rope_dedup.passes.pass_base import RopePassResult
 from rope_dedup.keys import RopeKey
 from rope_dedup.report import DedupReport, Departed, Group, Skip
 from rope_dedup.spec import RopeSpec
@@ -28,9 +29,9 @@ __all__ = [
     "Group",
     "RopeDedupBackend",
     "RopeDedupConfig",
-    "RopeDedupResult",
     "RopeKey",
     "RopeMismatch",
+    "RopePassResult",
     "RopeSpec",
     "Skip",
     "dedup_exported",

@@ -12,12 +12,10 @@ import torch.fx
 from torch._dynamo.backends.registry import register_backend
 from torch._dynamo.utils import counters
 
-from rope_dedup.passes.dedup_rope import dedup_rope
-from rope_dedup.passes.fold_rope_constants import fold_rope_constants
-from rope_dedup.passes.merge_rope_subgraphs import merge_rope_subgraphs
 from rope_dedup.config import RopeDedupConfig
 from rope_dedup.interning import InterningCallable
 from rope_dedup.memory import release_if_freed
+from rope_dedup.passes.pipeline import run_pipeline
 from rope_dedup.report import DedupReport
 from rope_dedup.store import CanonicalStore
 
@@ -64,7 +62,8 @@ class RopeDedupBackend:
         self.store = self._store_for(config)
         self._compiles: dict[str, tuple[RopeDedupConfig, Callable]] = {}  # compile kwargs -> (config, inner)
         self.graphs_compiled = 0
-        self.pass_seconds = 0.0  # the pass plus its safety copy of the graph, all graphs together
+        self.pass_seconds: dict[str, float] = {}  # pass name -> seconds, all graphs together
+        self.copy_seconds = 0.0  # the safety copy of each graph (see __call__), all graphs together
         self.errors: list[str] = []
 
     @property
@@ -108,17 +107,15 @@ class RopeDedupBackend:
                 inner.reset()
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence, **compile_kwargs: Any) -> Callable:
+        """Rewrite ``gm`` with the passes of :mod:`rope_dedup.passes.pipeline`, compile it with the inner
+        backend, and wrap that in the run-time interning of :mod:`rope_dedup.interning`."""
         config, inner = self._config_for(compile_kwargs)
         store = self._store_for(config)
         started = time.perf_counter()
-        pristine = _copy_graph_module(gm)
+        pristine = _copy_graph_module(gm)  # compiled instead if the passes fail, or merged inputs part
+        self.copy_seconds += time.perf_counter() - started
         try:
-            fold, merge = config.computed_table_transforms()
-            result = dedup_rope(gm, example_inputs, store=store, redirect_inputs=config.redirects_inputs())
-            if merge:  # after dedup_rope: per-layer tables now read one node
-                merge_rope_subgraphs(gm, example_inputs, store=store)
-            if fold:
-                fold_rope_constants(gm, example_inputs, store=store)
+            result = run_pipeline(gm, example_inputs, config, store)
         except Exception as error:
             if config.strict:
                 raise
@@ -130,7 +127,8 @@ class RopeDedupBackend:
             return inner(pristine, example_inputs)
         if config.release_memory:
             release_if_freed(store)
-        self.pass_seconds += time.perf_counter() - started
+        for name, seconds in result.seconds.items():
+            self.pass_seconds[name] = self.pass_seconds.get(name, 0.0) + seconds
         self.graphs_compiled += 1
         counters["rope_dedup"]["graphs"] += 1
         if log.isEnabledFor(logging.INFO):  # the summary builds a whole report: only when someone reads it
@@ -148,11 +146,12 @@ class RopeDedupBackend:
     @property
     def report(self) -> DedupReport:
         """Everything this backend has shared or skipped, across all graphs it compiled."""
-        return DedupReport.from_stores(self._stores.values(), errors=self.errors)
+        return DedupReport.from_stores(self._stores.values(), errors=self.errors, pass_seconds=self.pass_seconds)
 
     def report_for(self, model: torch.nn.Module) -> DedupReport:
         """The report with members named by their full path in ``model`` (useful after regional compile)."""
-        return DedupReport.from_stores(self._stores.values(), model=model, errors=self.errors)
+        return DedupReport.from_stores(self._stores.values(), model=model, errors=self.errors,
+                                       pass_seconds=self.pass_seconds)
 
 
 rope_dedup_backend = RopeDedupBackend()

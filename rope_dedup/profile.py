@@ -215,11 +215,10 @@ def build_inputs(config: ProfileConfig) -> tuple[torch.nn.Module, tuple, list[to
 def rope_tables(model: torch.nn.Module) -> list[torch.Tensor]:
     """A user model's RoPE tables, recognized from content (names are not used) among its buffers and
     plain tensor attributes. The ideal is then exact-equality groups of these, as for the toy decoder."""
-    from rope_dedup.recognize import RopeTable, recognize_rope_table
+    from rope_dedup.recognize import is_rope_table
 
     unique = {id(t): t for t in _state_tensors(model)}.values()
-    return [t for t in unique if t.is_floating_point() or t.is_complex()
-            if isinstance(recognize_rope_table(t.detach()), RopeTable)]
+    return [t for t in unique if (t.is_floating_point() or t.is_complex()) and is_rope_table(t)]
 
 
 def first_tensor(output: Any) -> torch.Tensor:
@@ -343,7 +342,9 @@ def measure(config: ProfileConfig, mode: str) -> dict[str, Any]:
         # Training: the first step's loss (parameters not yet updated) against eager's.
         "max_abs_err_vs_eager": float((out.float() - reference.float()).abs().max()),
         "graphs": backend.graphs_compiled if backend is not None else None,
-        "pass_s": backend.pass_seconds if backend is not None else None,
+        # rope_dedup's compile-time cost: its passes and its safety copy of each graph.
+        "pass_s": sum(backend.pass_seconds.values()) + backend.copy_seconds if backend is not None else None,
+        "pass_s_by_pass": dict(backend.pass_seconds, copy_graph=backend.copy_seconds) if backend is not None else None,
         "pass_errors": backend.errors if backend is not None else None,
         "intern_s_per_call": interning[0] if interning else None,
         "intern_calls_per_step": interning[1] if interning else None,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+from typing import Iterable, Mapping, Sequence
 
 import torch
 
@@ -66,6 +66,7 @@ class DedupReport:
     skipped: list[Skip] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)  # pass failures that made a graph compile unshared
     departed: list[Departed] = field(default_factory=list)  # shared, then freed, and not shared again
+    pass_seconds: dict[str, float] = field(default_factory=dict)  # pass name -> seconds, all graphs together
 
     @property
     def bytes_before(self) -> int:
@@ -84,12 +85,12 @@ class DedupReport:
         return [g for g in self.groups if g.conflict_with is not None]
 
     @classmethod
-    def from_stores(cls, stores: Iterable, model: torch.nn.Module | None = None,
-                    errors: Sequence[str] = ()) -> DedupReport:
+    def from_stores(cls, stores: Iterable, model: torch.nn.Module | None = None, errors: Sequence[str] = (),
+                    pass_seconds: Mapping[str, float] | None = None) -> DedupReport:
         """One report over several stores (a backend keeps one per storage policy its compiles asked for)."""
         parts = [cls.from_store(store, model) for store in stores]
         return cls([g for p in parts for g in p.groups], [s for p in parts for s in p.skipped], list(errors),
-                   [d for p in parts for d in p.departed])
+                   [d for p in parts for d in p.departed], dict(pass_seconds or {}))
 
     @classmethod
     def from_store(cls, store, model: torch.nn.Module | None = None, errors: Sequence[str] = ()) -> DedupReport:
@@ -165,6 +166,8 @@ class DedupReport:
             if gone:
                 lines.append(f"  freed: the owner dropped or replaced it (report_for(model) tells which): "
                              f"{_listed(gone)}")
+        if self.pass_seconds:
+            lines.append("pass time: " + ", ".join(f"{name} {s:.3f} s" for name, s in self.pass_seconds.items()))
         return "\n".join(lines)
 
 

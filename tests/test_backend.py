@@ -184,7 +184,7 @@ def test_pass_failure_falls_back_loudly_or_raises_when_strict(monkeypatch, caplo
     def broken(*args, **kwargs):
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(rope_dedup.backend, "dedup_rope", broken)
+    monkeypatch.setattr(rope_dedup.passes.dedup_rope, "find_candidates", broken)  # inside the first pass
     model = build(homogeneous(2))
     tokens = torch.randint(0, 64, (1, 8))
     backend = RopeDedupBackend("eager")

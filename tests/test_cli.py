@@ -46,6 +46,10 @@ def test_profile_writes_every_figure_and_the_plot(tmp_path, capsys) -> None:
         assert figures["peak_rss_process"] > 0 and figures["step_s"] > 0
     assert modes["regional"]["intern_calls_per_step"] == 2 and modes["rope_dedup"]["intern_calls_per_step"] == 1
     assert modes["rope_dedup"]["pass_s"] > 0 and modes["compile"]["pass_s"] is None
+    # Under eager all three passes run; the backend's safety copy of the graph is counted beside them.
+    by_pass = modes["rope_dedup"]["pass_s_by_pass"]
+    assert list(by_pass) == ["dedup_rope", "merge_rope_subgraphs", "fold_rope_constants", "copy_graph"]
+    assert modes["rope_dedup"]["pass_s"] == pytest.approx(sum(by_pass.values()))
     assert result["summary"]["rope_dedup_rope_bytes_vs_ideal"] == 1.0
     assert {t["target"] for t in result["targets"]} >= {"RoPE bytes after / ideal", "step time rope_dedup / alone"}
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -6,7 +6,8 @@ persistent buffers as ``BUFFER`` inputs with values in ``ep.state_dict``. Identi
 grouped and verified exactly as the backend does (same store, same rules), then the graph is rewritten to
 read one input per table. The duplicates are dropped from the signature and the constants; a persistent
 buffer or frozen parameter (shared only with ``share_persistent=True``) keeps its ``state_dict`` key,
-which then names the canonical tensor, so checkpoints keep their keys. The input program and the model's tensors are untouched.
+which then names the canonical tensor, so checkpoints keep their keys. The input program and the
+model's tensors are untouched.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch.fx
 from torch.export import ExportedProgram
 from torch.export.graph_signature import ExportGraphSignature, InputKind, InputSpec, OutputKind
 
+from rope_dedup.eligibility import in_state_dict
 from rope_dedup.passes.find_mutations import find_mutations
 from rope_dedup.passes.redirect_to_canonical import redirect_to_canonical
 from rope_dedup.report import DedupReport
@@ -36,8 +38,9 @@ def dedup_exported(ep: ExportedProgram, *, share_persistent: bool = False) -> Ex
 
     Every lifted parameter, buffer and constant tensor is offered to a :class:`CanonicalStore`: written
     ones (``BUFFER_MUTATION`` outputs or in-place ops), trainable parameters, persistent buffers and frozen
-    parameters (unless ``share_persistent=True``) and non-RoPE tensors are skipped with the reason. The report is logged on
-    the ``rope_dedup`` logger and kept in ``result.graph_module.meta["rope_dedup_report"]``.
+    parameters (unless ``share_persistent=True``) and non-RoPE tensors are skipped with the reason. The
+    report is logged on the ``rope_dedup`` logger and kept in
+    ``result.graph_module.meta["rope_dedup_report"]``.
     """
     if not isinstance(ep, ExportedProgram):
         raise TypeError(f"dedup_exported expects a torch.export.ExportedProgram, got {type(ep).__name__}")
@@ -52,8 +55,8 @@ def dedup_exported(ep: ExportedProgram, *, share_persistent: bool = False) -> Ex
         tensor = _value(ep, spec)
         if spec.kind not in _STATE_KINDS or not isinstance(tensor, torch.Tensor):
             continue
-        persistent = spec.kind == InputKind.PARAMETER or (spec.kind == InputKind.BUFFER and bool(spec.persistent))
-        offer = store.offer(tensor, spec.target, _STATE_KINDS[spec.kind], written.get(spec.arg.name), persistent)
+        kind = _STATE_KINDS[spec.kind]
+        offer = store.offer(tensor, spec.target, kind, written.get(spec.arg.name), in_state_dict(kind, spec.persistent))
         if offer.action is not Action.SKIP:
             offered.append((spec, tensor))
 
@@ -74,6 +77,7 @@ def dedup_exported(ep: ExportedProgram, *, share_persistent: bool = False) -> Ex
     redirect_to_canonical(gm, duplicates)
     for name in dropped:
         gm.graph.erase_node(placeholders[name])
+    gm.graph.lint()
     gm.recompile()
 
     signature = ExportGraphSignature(

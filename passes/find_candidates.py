@@ -15,7 +15,8 @@ from typing import Sequence
 import torch
 import torch.fx
 
-from rope_dedup.sources import attribute_origin, placeholder_origin
+from rope_dedup.eligibility import in_state_dict
+from rope_dedup.sources import InputOrigin, attribute_origin, placeholder_origin
 
 
 @dataclass(frozen=True)
@@ -31,7 +32,7 @@ class Candidate:
     # module was not found)
 
 
-def find_rope_candidates(gm: torch.fx.GraphModule, example_inputs: Sequence | None = None) -> list[Candidate]:
+def find_candidates(gm: torch.fx.GraphModule, example_inputs: Sequence | None = None) -> list[Candidate]:
     """Every placeholder fed from module state and every tensor ``get_attr``, in graph order."""
     candidates: list[Candidate] = []
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -42,9 +43,7 @@ def find_rope_candidates(gm: torch.fx.GraphModule, example_inputs: Sequence | No
             origin = placeholder_origin(node)
             if origin.kind == "input":
                 continue
-            kind = "parameter" if isinstance(value, torch.nn.Parameter) else origin.kind
-            persistent = kind == "parameter" or (kind == "buffer" and origin.persistent is not False)
-            candidates.append(Candidate(node, value, origin.path, kind, index, persistent))
+            candidates.append(_from_origin(node, value, origin, index))
     for node in gm.graph.nodes:
         if node.op != "get_attr":
             continue
@@ -55,9 +54,7 @@ def find_rope_candidates(gm: torch.fx.GraphModule, example_inputs: Sequence | No
             continue
         origin = attribute_origin(gm, node.target)
         if origin is not None and origin.kind != "input":  # freezing: dynamo knows the real owner
-            kind = "parameter" if isinstance(value, torch.nn.Parameter) else origin.kind
-            persistent = kind == "parameter" or (kind == "buffer" and origin.persistent is not False)
-            candidates.append(Candidate(node, value, origin.path, kind, None, persistent))
+            candidates.append(_from_origin(node, value, origin, None))
             continue
         if attr in owner._parameters:
             kind = "parameter"
@@ -67,6 +64,12 @@ def find_rope_candidates(gm: torch.fx.GraphModule, example_inputs: Sequence | No
             kind = "attribute"
         # symbolic_trace up to torch 2.13 registers every buffer it copies as persistent (the GraphModule's
         # state_dict has it); rope_dedup.symbolic_trace keeps the model's own choice.
-        persistent = kind == "parameter" or (kind == "buffer" and attr not in owner._non_persistent_buffers_set)
+        persistent = in_state_dict(kind, attr not in owner._non_persistent_buffers_set)
         candidates.append(Candidate(node, value, node.target, kind, None, persistent))
     return candidates
+
+
+def _from_origin(node: torch.fx.Node, value: torch.Tensor, origin: InputOrigin, index: int | None) -> Candidate:
+    """A candidate whose owner dynamo recorded (its source): path, kind and persistence come from there."""
+    kind = "parameter" if isinstance(value, torch.nn.Parameter) else origin.kind
+    return Candidate(node, value, origin.path, kind, index, in_state_dict(kind, origin.persistent))

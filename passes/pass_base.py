@@ -1,0 +1,116 @@
+"""What every rope_dedup pass takes and returns, and the one loop that runs passes over a graph.
+
+Modeled on ``torch.fx.passes.infra``: a pass rewrites a GraphModule in place and returns a
+``PassResult``; the loop, not the pass, lints and recompiles the graph once after each pass that
+changed it, times each pass and logs the graph's size before and after (as torchtitan's
+``apply_graph_passes`` does). Which passes run, and in which order, is declared in :mod:`pipeline`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Iterable, Sequence
+
+import torch.fx
+from torch.fx.passes.infra.pass_base import PassResult
+
+from rope_dedup.interning import WatchedInput
+from rope_dedup.report import DedupReport
+from rope_dedup.store import CanonicalStore
+
+if TYPE_CHECKING:  # a pass module: it imports this one
+    from rope_dedup.passes.fold_rope_constants import FoldedTable
+
+log = logging.getLogger("rope_dedup")
+
+
+@dataclass(frozen=True)
+class PassContext:
+    """What a pass may use besides the graph and its example inputs.
+
+    ``store``: the canonical store tables are offered to (a backend keeps one across all its graphs);
+    None for a pass run on its own without one (merging then recognizes tables from their content).
+    ``redirect_inputs``: whether duplicate table placeholders are rewritten to read one node.
+    """
+
+    store: CanonicalStore | None = None
+    redirect_inputs: bool = True
+
+
+class RopePassResult(PassResult):
+    """The result of one rope_dedup pass, or of several run by :func:`run_passes` (then combined).
+
+    Besides ``graph_module`` and ``modified``:
+
+    - ``report``: the store's :class:`DedupReport` after the passes (None without a store);
+    - ``watched_inputs``: example-input position -> :class:`~rope_dedup.interning.WatchedInput`, the
+      state inputs run-time interning offers to the store on first sight (from ``dedup_rope``);
+    - ``merged_inputs``: groups of input positions whose uses now read the first one, valid only while
+      they share memory, which the compiled callable checks on every call (from ``dedup_rope``);
+    - ``merged_nodes``: nodes ``merge_rope_subgraphs`` removed;
+    - ``folded``: constants ``fold_rope_constants`` created;
+    - ``seconds``: pass name -> seconds it took, lint and recompile included.
+    """
+
+    report: DedupReport | None
+    watched_inputs: dict[int, WatchedInput]
+    merged_inputs: list[tuple[int, ...]]
+    merged_nodes: int
+    folded: list[FoldedTable]
+    seconds: dict[str, float]
+
+    def __new__(cls, graph_module: torch.fx.GraphModule, modified: bool, *, report: DedupReport | None = None,
+                watched_inputs: dict[int, WatchedInput] | None = None,
+                merged_inputs: Iterable[tuple[int, ...]] = (), merged_nodes: int = 0,
+                folded: Iterable[FoldedTable] = (), seconds: dict[str, float] | None = None) -> RopePassResult:
+        result = super().__new__(cls, graph_module, modified)
+        result.report = report
+        result.watched_inputs = dict(watched_inputs or {})
+        result.merged_inputs = list(merged_inputs)
+        result.merged_nodes = merged_nodes
+        result.folded = list(folded)
+        result.seconds = dict(seconds or {})
+        return result
+
+
+@dataclass(frozen=True)
+class GraphPass:
+    """A pass by name (how the pipeline enables it and the report times it) and the function that
+    rewrites the graph in place; the function neither lints nor recompiles: :func:`run_passes` does."""
+
+    name: str
+    rewrite: Callable[[torch.fx.GraphModule, Sequence | None, PassContext], RopePassResult]
+
+    def __repr__(self) -> str:  # torch's schedule check names passes in its error
+        return self.name
+
+
+def run_passes(gm: torch.fx.GraphModule, example_inputs: Sequence | None, passes: Sequence[GraphPass],
+               context: PassContext) -> RopePassResult:
+    """Run ``passes`` in order over ``gm``; one combined result, with seconds per pass."""
+    results: list[RopePassResult] = []
+    seconds: dict[str, float] = {}
+    for graph_pass in passes:
+        nodes_before = len(gm.graph.nodes)
+        started = time.perf_counter()
+        result = graph_pass.rewrite(gm, example_inputs, context)
+        if result.modified:
+            gm.graph.lint()
+            gm.recompile()
+        seconds[graph_pass.name] = time.perf_counter() - started
+        log.debug("rope_dedup: %s: %d -> %d node(s), %.3f s%s", graph_pass.name, nodes_before,
+                  len(gm.graph.nodes), seconds[graph_pass.name], "" if result.modified else ", unchanged")
+        results.append(result)
+    report = DedupReport.from_store(context.store) if context.store is not None else None
+    if report is not None:
+        gm.meta["rope_dedup_report"] = report
+    return RopePassResult(
+        gm, any(r.modified for r in results), report=report,
+        watched_inputs={i: how for r in results for i, how in r.watched_inputs.items()},
+        merged_inputs=[g for r in results for g in r.merged_inputs],
+        merged_nodes=sum(r.merged_nodes for r in results),
+        folded=[f for r in results for f in r.folded],
+        seconds=seconds,
+    )
