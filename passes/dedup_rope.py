@@ -59,6 +59,8 @@ def _share_tables(gm: torch.fx.GraphModule, example_inputs: Sequence | None, con
     its own (a buffer not RoPE-like here may be a table in another block).
     """
     store = context.store
+    if store is None:
+        raise ValueError("dedup_rope shares through a canonical store: give PassContext(store=...)")
     candidates = find_candidates(gm, example_inputs)
     written = _written_candidates(candidates, find_mutations(gm))
     kept: list[Candidate] = []
