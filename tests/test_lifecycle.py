@@ -15,7 +15,7 @@ import pytest
 import torch
 from helpers import compile_model, rope_storages
 from torch._dynamo.utils import counters
-from rope_dedup.toy_decoder import RopeSpec, ToyDecoder, homogeneous, local_global, rope_tensors, unique_storages
+from rope_dedup.toy_decoder import TableRecipe, ToyDecoder, homogeneous, local_global, rope_tensors, unique_storages
 
 from rope_dedup import RopeDedupBackend
 
@@ -154,7 +154,7 @@ def test_a_model_built_with_other_specs_after_compile_is_not_merged() -> None:
     model = ToyDecoder(homogeneous(2, max_len=64)).eval()
     compiled = torch.compile(model, backend=RopeDedupBackend("eager"))
     compiled(TOKENS)
-    other = ToyDecoder([RopeSpec(max_len=64), RopeSpec(max_len=64, theta=5e5)]).eval()
+    other = ToyDecoder([TableRecipe(max_len=64), TableRecipe(max_len=64, theta=5e5)]).eval()
     other.load_state_dict(model.state_dict())
     for name, tensor in rope_tensors(other):
         owner, attr = name.rsplit(".", 1)
