@@ -111,7 +111,9 @@ def test_device_moves_recompile_and_share_on_each_device() -> None:
         with torch.no_grad():
             torch.testing.assert_close(compiled(TOKENS.to(device)), reference(TOKENS.to(device)), rtol=0, atol=0)
         assert rope_storages(model) == IDEAL["local_global"]
-    assert graphs() <= 2
+    # One graph per device: the device guard fails on cpu (a recompile), and back on cuda the first graph's
+    # guards hold again (as for dtypes above), so it is reused.
+    assert graphs() == 2
 
 
 def test_deleting_the_model_frees_its_canonical_tables() -> None:
