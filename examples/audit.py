@@ -10,12 +10,12 @@ config) fell back to the default 1e4: no error anywhere, only worse output. The 
 import torch
 
 import rope_dedup
-from rope_dedup.toy_decoder import RopeSpec, ToyDecoder, homogeneous
+from rope_dedup.toy_decoder import TableRecipe, ToyDecoder, homogeneous
 
 
 def build() -> tuple[torch.nn.Module, tuple[torch.Tensor]]:
     """The factory ``rope-dedup audit`` calls: (model, example_inputs)."""
-    specs = homogeneous(5, theta=5e5, max_len=2048) + [RopeSpec(max_len=2048)]
+    specs = homogeneous(5, theta=5e5, max_len=2048) + [TableRecipe(max_len=2048)]
     return ToyDecoder(specs).eval(), (torch.randint(0, 64, (1, 16)),)
 
 

@@ -11,7 +11,7 @@ import argparse
 import torch
 
 from rope_dedup import RopeDedupBackend
-from rope_dedup.toy_decoder import RopeSpec, ToyDecoder, homogeneous
+from rope_dedup.toy_decoder import TableRecipe, ToyDecoder, homogeneous
 
 
 def main() -> None:
@@ -19,7 +19,7 @@ def main() -> None:
     parser.add_argument("--inner", default="inductor", help="backend rope_dedup hands the graph to")
     args = parser.parse_args()
 
-    model = ToyDecoder(homogeneous(4, max_len=4096) + [RopeSpec(layout="lazy_cache", max_len=4096)]).eval()
+    model = ToyDecoder(homogeneous(4, max_len=4096) + [TableRecipe(layout="lazy_cache", max_len=4096)]).eval()
     backend = RopeDedupBackend(inner=args.inner)
     with torch.no_grad():
         torch.compile(model, backend=backend)(torch.randint(0, 64, (2, 16)))

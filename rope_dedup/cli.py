@@ -352,16 +352,21 @@ def _print_explanation(explanation, console) -> None:
     from rope_dedup.explain import COLUMNS
 
     console.print(explanation.headline(), highlight=False)
+    # A caption is the legend of the "*" mark: shown only under a table that marks a row. (The groups are
+    # spelled out in the notes below either way.)
     owned = explanation.rows()
     if owned:
         table = Table(*COLUMNS, title="tables each layer holds", title_justify="left",
-                      caption="* key differs from most layers; one group letter = identical content")
+                      caption="* key differs from most layers; one group letter = identical content"
+                      if _marks_a_row(owned) else None)
         _add_rows(table, owned)
         console.print(table)
     applied = explanation.applied_rows()
     if applied:
-        caption = ("* differs from the expectation (mismatches below)" if explanation.judged
-                   else "* differs from most layers")
+        caption = None
+        if _marks_a_row(applied):
+            caption = ("* differs from the expectation (mismatches below)" if explanation.judged
+                       else "* differs from most layers")
         table = Table(title="tables each layer applies", title_justify="left", caption=caption)
         for column in explanation.applied_columns():  # long sources and specs fold rather than end in "…"
             table.add_column(column, overflow="fold")
@@ -377,6 +382,10 @@ def _print_explanation(explanation, console) -> None:
         console.print(table)
     elif explanation.judged:
         console.print("every layer applies the expected RoPE", style="green", highlight=False)
+
+
+def _marks_a_row(rows: list[tuple[bool, tuple[str, ...]]]) -> bool:
+    return any(flagged for flagged, _ in rows)
 
 
 def _add_rows(table, rows: list[tuple[bool, tuple[str, ...]]]) -> None:

@@ -1,6 +1,6 @@
 """A toy decoder whose attention layers each own a RoPE module, in the layouts met in the wild.
 
-Used by the tests, the examples and ``rope-dedup profile``. Each layer's :class:`RopeSpec` picks the
+Used by the tests, the examples and ``rope-dedup profile``. Each layer's :class:`TableRecipe` picks the
 layout, theta, rotary dim, length, dtype and scaling, so homogeneous, local/global (Gemma), partial
 rotary, scaled and mixed-dtype models are one list away. Tables are built the way model code builds
 them (float32 frequencies, float32 angles, cast at the end); nothing here knows about rope_dedup.
@@ -27,7 +27,7 @@ SCALINGS = (None, "linear", "ntk", "llama3", "yarn")
 
 
 @dataclass(frozen=True)
-class RopeSpec:
+class TableRecipe:
     """How one layer's RoPE table is built."""
 
     layout: str = "cos_sin"
@@ -46,7 +46,7 @@ class RopeSpec:
             raise ValueError(f"unknown scaling {self.scaling!r}; choose from {SCALINGS}")
 
 
-def inv_freq(spec: RopeSpec, dim: int) -> torch.Tensor:
+def inv_freq(spec: TableRecipe, dim: int) -> torch.Tensor:
     """Frequencies as HF/torchtitan compute them, with the common scaling variants."""
     theta = spec.theta
     if spec.scaling == "ntk":
@@ -75,7 +75,7 @@ def inv_freq(spec: RopeSpec, dim: int) -> torch.Tensor:
     return freqs
 
 
-def yarn_mscale(spec: RopeSpec) -> float:
+def yarn_mscale(spec: TableRecipe) -> float:
     return 0.1 * math.log(spec.factor) + 1.0 if spec.scaling == "yarn" else 1.0
 
 
@@ -87,7 +87,7 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 class Rope(nn.Module):
     """Applies rotary embedding to ``x`` of shape (batch, heads, seq, head_dim) from a cached table."""
 
-    def __init__(self, spec: RopeSpec, head_dim: int) -> None:
+    def __init__(self, spec: TableRecipe, head_dim: int) -> None:
         super().__init__()
         self.spec = spec
         self.dim = spec.rotary_dim or head_dim
@@ -188,7 +188,7 @@ class Rope(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, d_model: int, heads: int, spec: RopeSpec) -> None:
+    def __init__(self, d_model: int, heads: int, spec: TableRecipe) -> None:
         super().__init__()
         self.heads, self.head_dim = heads, d_model // heads
         self.qkv = nn.Linear(d_model, 3 * d_model, bias=False)
@@ -204,7 +204,7 @@ class Attention(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, d_model: int, heads: int, spec: RopeSpec, graph_break: bool = False) -> None:
+    def __init__(self, d_model: int, heads: int, spec: TableRecipe, graph_break: bool = False) -> None:
         super().__init__()
         self.norm1, self.norm2 = nn.LayerNorm(d_model), nn.LayerNorm(d_model)
         self.attention = Attention(d_model, heads, spec)
@@ -221,7 +221,7 @@ class Block(nn.Module):
 class ToyDecoder(nn.Module):
     """Embedding, one :class:`Block` per spec, norm and head. ``graph_break`` breaks inside every block."""
 
-    def __init__(self, specs: list[RopeSpec], d_model: int = 32, heads: int = 2, vocab: int = 64,
+    def __init__(self, specs: list[TableRecipe], d_model: int = 32, heads: int = 2, vocab: int = 64,
                  graph_break: bool = False) -> None:
         super().__init__()
         self.embed = nn.Embedding(vocab, d_model)
@@ -236,15 +236,15 @@ class ToyDecoder(nn.Module):
         return self.head(self.norm(x))
 
 
-def homogeneous(layers: int, **spec) -> list[RopeSpec]:
+def homogeneous(layers: int, **spec) -> list[TableRecipe]:
     """The same RoPE spec for every layer (the common case: identical copies everywhere)."""
-    return [RopeSpec(**spec)] * layers
+    return [TableRecipe(**spec)] * layers
 
 
 def local_global(layers: int, every: int = 3, local_theta: float = 1e4, global_theta: float = 1e6,
-                 **spec) -> list[RopeSpec]:
+                 **spec) -> list[TableRecipe]:
     """Gemma-style: every ``every``-th layer global (theta 1e6), the rest local (theta 1e4)."""
-    base = RopeSpec(**spec)
+    base = TableRecipe(**spec)
     return [replace(base, theta=global_theta if (i + 1) % every == 0 else local_theta) for i in range(layers)]
 
 

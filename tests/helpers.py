@@ -11,7 +11,7 @@ from typing import Callable
 
 import torch
 import torch.nn as nn
-from rope_dedup.toy_decoder import RopeSpec, ToyDecoder, rope_tensors, unique_storages
+from rope_dedup.toy_decoder import TableRecipe, ToyDecoder, rope_tensors, unique_storages
 
 Blocks = Callable[[nn.Module], nn.ModuleList]
 
@@ -21,7 +21,7 @@ def toy_blocks(model: nn.Module) -> nn.ModuleList:
     return model.layers
 
 
-def build(specs: list[RopeSpec], seed: int = 0, graph_break: bool = False) -> ToyDecoder:
+def build(specs: list[TableRecipe], seed: int = 0, graph_break: bool = False) -> ToyDecoder:
     """A toy decoder with seeded weights: two calls with the same arguments give identical models."""
     torch.manual_seed(seed)
     return ToyDecoder(specs, graph_break=graph_break)

@@ -11,7 +11,7 @@ from helpers import build, compile_model, rope_storages, unwrap
 from torch._dynamo.testing import EagerAndRecordGraphs, normalize_gm
 from torch._dynamo.utils import counters
 from ideal import ideal_storages
-from rope_dedup.toy_decoder import LAYOUTS, RopeSpec, ToyDecoder, homogeneous, local_global, rope_tensors
+from rope_dedup.toy_decoder import LAYOUTS, TableRecipe, ToyDecoder, homogeneous, local_global, rope_tensors
 
 import rope_dedup
 from rope_dedup import RopeDedupBackend
@@ -19,12 +19,13 @@ from rope_dedup import RopeDedupBackend
 SCENARIOS = {
     "homogeneous": homogeneous(4),
     "local_global": local_global(6, every=3),
-    "partial_rotary": [RopeSpec(rotary_dim=8), RopeSpec(), RopeSpec(rotary_dim=8), RopeSpec()],
-    "scaled_vs_plain": [RopeSpec(), RopeSpec(scaling="linear"), RopeSpec(scaling="llama3", theta=5e5),
-                        RopeSpec(theta=5e5), RopeSpec(scaling="yarn"), RopeSpec(), RopeSpec(scaling="linear")],
-    "mixed_dtypes": [RopeSpec(), RopeSpec(dtype=torch.bfloat16), RopeSpec(dtype=torch.float16),
-                     RopeSpec(dtype=torch.bfloat16), RopeSpec()],
-    "mutated_cache": [RopeSpec(layout="lazy_cache")] * 3 + [RopeSpec()] * 2,
+    "partial_rotary": [TableRecipe(rotary_dim=8), TableRecipe(), TableRecipe(rotary_dim=8), TableRecipe()],
+    "scaled_vs_plain": [TableRecipe(), TableRecipe(scaling="linear"), TableRecipe(scaling="llama3", theta=5e5),
+                        TableRecipe(theta=5e5), TableRecipe(scaling="yarn"), TableRecipe(),
+                        TableRecipe(scaling="linear")],
+    "mixed_dtypes": [TableRecipe(), TableRecipe(dtype=torch.bfloat16), TableRecipe(dtype=torch.float16),
+                     TableRecipe(dtype=torch.bfloat16), TableRecipe()],
+    "mutated_cache": [TableRecipe(layout="lazy_cache")] * 3 + [TableRecipe()] * 2,
 }
 
 
@@ -137,7 +138,7 @@ def test_report_covers_every_graph_and_names_full_paths() -> None:
 
 def test_report_for_names_every_block_s_skipped_table() -> None:
     """One graph serves every block: one relative skip name stands for the table of each block."""
-    model = build([RopeSpec(layout="lazy_cache")] * 3)
+    model = build([TableRecipe(layout="lazy_cache")] * 3)
     backend = RopeDedupBackend("eager")
     compile_model(model, backend, regional=True)(torch.randint(0, 64, (1, 8)))
     relative = [s.path for s in backend.report.skipped if s.path.endswith("cached_freqs")]
@@ -152,7 +153,7 @@ def test_replaced_table_falls_back_to_unmerged_graph() -> None:
     compiled = torch.compile(model, backend=RopeDedupBackend("aot_eager"))
     tokens = torch.randint(0, 64, (1, 16))
     compiled(tokens)
-    other = ToyDecoder([RopeSpec(theta=1e6)]).layers[0].attention.rope
+    other = ToyDecoder([TableRecipe(theta=1e6)]).layers[0].attention.rope
     model.layers[1].attention.rope.cos = other.cos.clone()
     model.layers[1].attention.rope.sin = other.sin.clone()
     torch.testing.assert_close(compiled(tokens), model(tokens), rtol=1e-5, atol=1e-5)
@@ -245,7 +246,7 @@ def test_interning_skips_known_tensors_cheaply() -> None:
 
 
 def test_mixed_dtype_tables_never_merge_across_dtypes() -> None:
-    model = build([RopeSpec(), replace(RopeSpec(), dtype=torch.bfloat16)] * 2)
+    model = build([TableRecipe(), replace(TableRecipe(), dtype=torch.bfloat16)] * 2)
     backend = RopeDedupBackend("eager")
     torch.compile(model, backend=backend)(torch.randint(0, 64, (1, 8)))
     dtypes = sorted(str(g.key.dtype) for g in backend.report.groups)

@@ -15,7 +15,7 @@ from torch.torch_version import TorchVersion
 
 import rope_dedup
 from rope_dedup import RopeDedupBackend, dedup_rope, unshare
-from rope_dedup.toy_decoder import RopeSpec, ToyDecoder, homogeneous, rope_tensors, unique_storages
+from rope_dedup.toy_decoder import TableRecipe, ToyDecoder, homogeneous, rope_tensors, unique_storages
 from rope_dedup.eligibility import SkipReason
 
 TOKENS = torch.randint(0, 64, (1, 8), generator=torch.Generator().manual_seed(0))
@@ -174,10 +174,10 @@ def test_rope_dedup_symbolic_trace_keeps_persistent_buffers_persistent() -> None
 def test_a_checkpoint_with_different_tables_needs_unshare_first() -> None:
     """Shared tables stay correct only while a checkpoint keeps them equal: load_state_dict copies every
     sharer's value into the one storage, and the last one wins. unshare() first, then load."""
-    other = ToyDecoder([RopeSpec(max_len=64), RopeSpec(max_len=64, theta=5e5)])
+    other = ToyDecoder([TableRecipe(max_len=64), TableRecipe(max_len=64, theta=5e5)])
     state = other.state_dict() | {n: t for n, t in rope_tensors(other)}
     for trap in (True, False):
-        model = ToyDecoder([RopeSpec(max_len=64)] * 2)
+        model = ToyDecoder([TableRecipe(max_len=64)] * 2)
         for module in model.modules():
             module._non_persistent_buffers_set.clear()
         _, backend = compiled(model, share_persistent=True)

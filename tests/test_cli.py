@@ -153,11 +153,36 @@ def isolated_imports(monkeypatch, tmp_path_factory):
             del sys.modules[name]
 
 
+# The legends of the "*" mark under the held and the applied tables: each printed only when its table marks a row.
+HELD_CAPTION = "* key differs from most layers; one group letter = identical content"
+ODD_CAPTION = "* differs from most layers"
+MISMATCH_CAPTION = "* differs from the expectation (mismatches below)"
+
+
+def assert_no_mark(out: str) -> None:
+    assert " * " not in out, out  # no marked row ("layers.5 *" in a cell)
+    for caption in (HELD_CAPTION, ODD_CAPTION, MISMATCH_CAPTION):
+        assert caption not in out, out
+
+
 def test_audit_of_a_file_factory_marks_the_odd_layer(capsys) -> None:
     assert main(["audit", str(ROOT / "examples" / "audit.py") + ":build"]) == 0
     out = capsys.readouterr().out
     assert "layers.5 *" in out
     assert "* layers.5 differs from most layers: theta 10000 (most layers: 500000)" in out
+    assert HELD_CAPTION in out and ODD_CAPTION in out
+    assert MISMATCH_CAPTION not in out  # nothing judged
+
+
+def test_audit_of_a_clean_model_marks_nothing_and_prints_no_legend(tmp_path, monkeypatch, capsys) -> None:
+    (tmp_path / "clean.py").write_text(
+        "import torch\nfrom rope_dedup.toy_decoder import ToyDecoder, homogeneous\n"
+        "def build():\n    return ToyDecoder(homogeneous(3, max_len=32)), torch.zeros(1, 4, dtype=torch.long)\n")
+    monkeypatch.chdir(tmp_path)
+    assert main(["audit", "clean.py:build"]) == 0
+    out = capsys.readouterr().out
+    assert "tables each layer holds" in out and "tables each layer applies" in out  # both tables printed
+    assert_no_mark(out)
 
 
 def test_audit_of_a_dotted_module(tmp_path, monkeypatch, capsys) -> None:
@@ -176,6 +201,8 @@ def test_audit_with_an_expectation_exits_1_and_shows_expected_and_found(capsys) 
     assert main(["audit", f"{CATCH}:theta_ignored", "--expect", "theta=5e5"]) == 1
     out = capsys.readouterr().out
     assert "2 mismatch(es) with the expectation" in out
+    assert MISMATCH_CAPTION in out
+    assert HELD_CAPTION not in out  # both layers hold the same table: none marked there
     rows = [[cell.strip() for cell in line.split("│")[1:-1]] for line in out.splitlines() if line.startswith("│")]
     assert ["layers.1", "theta", "500000", "10000", "13 (|Δ| 1.4)"] in rows  # the mismatch table
     applied = next(row for row in rows if row[0] == "layers.1 *")  # the applied table: expected beside found
@@ -185,7 +212,9 @@ def test_audit_with_an_expectation_exits_1_and_shows_expected_and_found(capsys) 
 
 def test_audit_expect_config_exits_0_on_a_correct_model_and_1_on_a_bug(capsys) -> None:
     assert main(["audit", f"{CATCH}:llama3_correct", "--expect", "config"]) == 0
-    assert "every layer applies the expected RoPE" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "every layer applies the expected RoPE" in out
+    assert_no_mark(out)
     assert main(["audit", f"{CATCH}:llama3_dropped", "--expect", "config"]) == 1
     out = capsys.readouterr().out
     assert "│ model.layers.1 │ scaling │ llama3:32:1:4:8192 │ none  │ 15 (|Δ| 0.015) │" in out

@@ -6,15 +6,19 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+from typing import NamedTuple
 
 import pytest
 import torch
 import torch._inductor.compile_fx
 import torch._inductor.cudagraph_trees
+from torch._dynamo.testing import normalize_gm
 from torch._dynamo.utils import counters
 
 from rope_dedup import RopeDedupBackend, RopeDedupConfig
-from rope_dedup.toy_decoder import ToyDecoder, homogeneous, local_global, rope_tensors, unique_storages
+from rope_dedup.toy_decoder import (
+    COMPUTED_LAYOUTS, ToyDecoder, homogeneous, local_global, rope_tensors, unique_storages,
+)
 
 TOKENS = torch.randint(0, 64, (1, 8), generator=torch.Generator().manual_seed(0))
 
@@ -75,41 +79,55 @@ def test_backend_name_works_after_import_and_without_the_entry_point() -> None:
         assert out.split() == ["True", "2"], hide_entry_point
 
 
+class InductorCall(NamedTuple):
+    patches: dict  # the config patches the compile got
+    graph: str  # the graph it was handed, printed without comments (no source paths)
+
+
 @pytest.fixture
-def inductor_patches(monkeypatch):
-    """The config patches each inductor compile gets; the graph then runs as it is (no real compile)."""
-    seen: list[dict] = []
+def inductor_calls(monkeypatch) -> list[InductorCall]:
+    """What each inductor compile gets; the graph then runs as it is (no real compile)."""
+    seen: list[InductorCall] = []
 
     def record(gm, example_inputs, config_patches=None, **kwargs):
-        seen.append(dict(config_patches or {}))
+        seen.append(InductorCall(dict(config_patches or {}), normalize_gm(gm.print_readable(print_output=False))))
         return gm.forward
 
     monkeypatch.setattr(torch._inductor.compile_fx, "compile_fx", record)
     return seen
 
 
+def patches(calls: list[InductorCall]) -> list[dict]:
+    return [call.patches for call in calls]
+
+
 @pytest.mark.parametrize("how", [
     {"mode": "max-autotune-no-cudagraphs"}, {"mode": "reduce-overhead"}, {"mode": "max-autotune"},
     {"options": {"epilogue_fusion": False, "max_autotune": True}}, {}])
-def test_mode_and_options_reach_inductor_as_torch_compile_passes_them(how, inductor_patches) -> None:
+def test_mode_and_options_reach_inductor_as_torch_compile_passes_them(how, inductor_calls) -> None:
     torch.compile(ToyDecoder(homogeneous(2)), **how)(TOKENS)
-    alone = inductor_patches[:]
-    inductor_patches.clear()
+    alone = patches(inductor_calls)
+    inductor_calls.clear()
     torch._dynamo.reset()
     model = ToyDecoder(homogeneous(2))
     backend = RopeDedupBackend()
     options = dict(how.get("options") or {})  # torch.compile may consume its options dict
     torch.compile(model, backend=backend, mode=how.get("mode"), options=options or None)(TOKENS)
-    assert inductor_patches == alone and len(alone) == 1
+    assert patches(inductor_calls) == alone and len(alone) == 1
     assert rope_storages(model) == 2
 
 
-def test_rope_dedup_options_through_torch_compile_options(inductor_patches) -> None:
+def test_rope_dedup_options_through_torch_compile_options(inductor_calls) -> None:
+    torch.compile(ToyDecoder(homogeneous(3)), options={"epilogue_fusion": False})(TOKENS)
+    [alone] = inductor_calls
+    inductor_calls.clear()
+    torch._dynamo.reset()
     model = ToyDecoder(homogeneous(3))
     backend = RopeDedupBackend()
     torch.compile(model, backend=backend,
                   options={"dry_run": True, "inner": "inductor", "epilogue_fusion": False})(TOKENS)
-    assert inductor_patches == [{"epilogue_fusion": False}]
+    assert patches(inductor_calls) == [{"epilogue_fusion": False}]
+    assert inductor_calls[0].graph == alone.graph  # dry run: inductor gets the graph it gets alone
     assert rope_storages(model) == 6  # dry run: nothing aliased
     assert [len(g.members) for g in backend.report.groups] == [3, 3]  # but reported
     assert backend.store.snapshot() == []  # the backend's own (sharing) store is untouched
@@ -117,8 +135,22 @@ def test_rope_dedup_options_through_torch_compile_options(inductor_patches) -> N
     torch._dynamo.reset()
     model = ToyDecoder(homogeneous(3))
     torch.compile(model, backend="rope_dedup", options={"inner": "eager", "share_persistent": True})(TOKENS)
-    assert inductor_patches == [{"epilogue_fusion": False}]  # eager inner: inductor not called again
+    assert patches(inductor_calls) == [{"epilogue_fusion": False}]  # eager inner: inductor not called again
     assert rope_storages(model) == 2
+
+
+@pytest.mark.parametrize("layout", COMPUTED_LAYOUTS)
+def test_dry_run_hands_inductor_the_graph_it_gets_alone(layout, inductor_calls) -> None:
+    """Under inductor, shared tables keep their graph inputs, so only folding or merging tables computed in
+    forward (both opted in here) rewrites the graph: the real run shows the comparison sees a rewrite."""
+    computed = {"inner": "inductor", "fold_constants": True, "merge_computed": True}
+    torch.compile(ToyDecoder(homogeneous(3, layout=layout)))(TOKENS)
+    for options in ({**computed, "dry_run": True}, computed):
+        torch._dynamo.reset()
+        torch.compile(ToyDecoder(homogeneous(3, layout=layout)), backend="rope_dedup", options=options)(TOKENS)
+    alone, dry_run, rewritten = (call.graph for call in inductor_calls)
+    assert dry_run == alone
+    assert rewritten != alone
 
 
 def test_mode_and_options_together_get_torch_s_own_error() -> None:
@@ -204,7 +236,7 @@ def test_report_counts_trainable_parameters_in_one_line() -> None:
     assert len(backend.report.skipped) == trainable  # the object still has every skip
 
 
-def test_dynamo_reset_resets_the_inner_backend_as_for_inductor_alone(inductor_patches, monkeypatch) -> None:
+def test_dynamo_reset_resets_the_inner_backend_as_for_inductor_alone(inductor_calls, monkeypatch) -> None:
     """torch._dynamo.reset() resets each backend it cached; inductor's wrapper then drops its CUDA graph
     trees. Wrapped in rope_dedup, the inner wrapper must get that call too."""
     resets = []

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from rope_dedup.toy_decoder import RopeSpec, ToyDecoder, homogeneous, local_global, rope_tensors, unique_storages
+from rope_dedup.toy_decoder import TableRecipe, ToyDecoder, homogeneous, local_global, rope_tensors, unique_storages
 
 from rope_dedup import RopeDedupBackend, explain
 from rope_dedup.explain import split_layer
@@ -43,13 +43,13 @@ def test_no_majority_is_said_and_nobody_is_marked() -> None:
 
 
 def test_a_theta_that_never_reached_one_layer_is_flagged() -> None:
-    model = ToyDecoder(homogeneous(5, theta=5e5, max_len=64) + [RopeSpec(max_len=64)])
+    model = ToyDecoder(homogeneous(5, theta=5e5, max_len=64) + [TableRecipe(max_len=64)])
     odd = explain(model, TOKENS).odd_layers
     assert [(row.layer, row.differs) for row in odd] == [("layers.5", ("theta 10000 (most layers: 500000)",))]
 
 
 def test_shares_nothing_and_lists_every_skip_with_its_reason() -> None:
-    specs = homogeneous(2, layout="inv_freq", max_len=64) + [RopeSpec(layout="lazy_cache", max_len=64)]
+    specs = homogeneous(2, layout="inv_freq", max_len=64) + [TableRecipe(layout="lazy_cache", max_len=64)]
     model = ToyDecoder(specs)
     tables = [t for _, t in rope_tensors(model)]
     before = unique_storages(tables)

@@ -10,7 +10,9 @@ import torch
 import torch.nn as nn
 from torch.export.graph_signature import InputKind
 from ideal import ideal_storages
-from rope_dedup.toy_decoder import LAYOUTS, RopeSpec, ToyDecoder, homogeneous, local_global, rope_tensors, unique_storages
+from rope_dedup.toy_decoder import (
+    LAYOUTS, TableRecipe, ToyDecoder, homogeneous, local_global, rope_tensors, unique_storages,
+)
 
 from rope_dedup import dedup_exported
 from rope_dedup.eligibility import SkipReason
@@ -110,9 +112,10 @@ def test_persistent_buffers_are_shared_only_when_asked_and_keep_their_keys() -> 
 SCENARIOS = {
     "homogeneous": homogeneous(4, max_len=64),
     "local_global": local_global(6, every=3, max_len=64),
-    "every_layout": [RopeSpec(layout=layout, max_len=64) for layout in LAYOUTS for _ in range(2)],
-    "mixed": [RopeSpec(max_len=64), RopeSpec(max_len=64, dtype=torch.bfloat16), RopeSpec(max_len=64, rotary_dim=8),
-              RopeSpec(max_len=64, scaling="yarn"), RopeSpec(max_len=64), RopeSpec(max_len=64, scaling="yarn")],
+    "every_layout": [TableRecipe(layout=layout, max_len=64) for layout in LAYOUTS for _ in range(2)],
+    "mixed": [TableRecipe(max_len=64), TableRecipe(max_len=64, dtype=torch.bfloat16),
+              TableRecipe(max_len=64, rotary_dim=8), TableRecipe(max_len=64, scaling="yarn"), TableRecipe(max_len=64),
+              TableRecipe(max_len=64, scaling="yarn")],
 }
 
 
@@ -173,7 +176,7 @@ def test_something_other_than_a_program_is_a_clear_error() -> None:
 
 def test_a_functional_program_reports_its_buffer_mutations() -> None:
     """After run_decompositions a write is no longer an in-place op but a BUFFER_MUTATION output."""
-    model = ToyDecoder([RopeSpec(layout="lazy_cache", max_len=64)] * 2 + [RopeSpec(max_len=64)] * 2).eval()
+    model = ToyDecoder([TableRecipe(layout="lazy_cache", max_len=64)] * 2 + [TableRecipe(max_len=64)] * 2).eval()
     functional = torch.export.export(model, (TOKENS,)).run_decompositions()
     deduped = dedup_exported(functional)
     reasons = {s.path: s.reason for s in deduped.graph_module.meta["rope_dedup_report"].skipped}

@@ -11,7 +11,7 @@ import torch.nn as nn
 from helpers import build
 from torch._dynamo.testing import EagerAndRecordGraphs, normalize_gm
 from torch._dynamo.utils import counters
-from rope_dedup.toy_decoder import COMPUTED_LAYOUTS, RopeSpec, homogeneous
+from rope_dedup.toy_decoder import COMPUTED_LAYOUTS, TableRecipe, homogeneous
 
 from rope_dedup import RopeDedupBackend
 from rope_dedup.config import COMPUTED_TABLE_DEFAULTS
@@ -136,8 +136,8 @@ def forward(self, L_x_ : torch.Tensor):
 @pytest.mark.parametrize("layout,inner", [
     ("computed", "eager"), ("from_inv_freq", "eager"), ("computed", "aot_eager"), ("from_inv_freq", "aot_eager")])
 def test_bitwise_equal_to_the_compile_without_transforms(layout: str, inner: str) -> None:
-    specs = [RopeSpec(layout=layout), RopeSpec(layout=layout, theta=1e6, scaling="yarn", dtype=torch.bfloat16),
-             RopeSpec(layout=layout)]
+    specs = [TableRecipe(layout=layout), TableRecipe(layout=layout, theta=1e6, scaling="yarn", dtype=torch.bfloat16),
+             TableRecipe(layout=layout)]
     plain = outputs_with(build(specs), RopeDedupBackend(inner, fold_constants=False, merge_computed=False))
     plain_graphs = counters["stats"]["unique_graphs"]
     torch._dynamo.reset()
@@ -410,7 +410,7 @@ def test_per_block_graphs_share_one_folded_table(mode: str) -> None:
 @pytest.mark.parametrize("layout", COMPUTED_LAYOUTS)
 def test_toy_computed_layouts_match_the_stored_table(layout: str) -> None:
     """The toy's in-forward tables are the ones its cos_sin layout stores: same model, same outputs."""
-    for spec in (RopeSpec(), RopeSpec(theta=5e5, scaling="llama3", max_len=64), RopeSpec(rotary_dim=8)):
+    for spec in (TableRecipe(), TableRecipe(theta=5e5, scaling="llama3", max_len=64), TableRecipe(rotary_dim=8)):
         stored, computed = build([spec] * 2), build([replace(spec, layout=layout)] * 2)
         assert not list(computed.buffers()) or layout == "from_inv_freq"
         torch.testing.assert_close(computed(TOKENS[0]), stored(TOKENS[0]), rtol=1e-6, atol=1e-6)

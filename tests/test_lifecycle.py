@@ -15,7 +15,7 @@ import pytest
 import torch
 from helpers import compile_model, rope_storages
 from torch._dynamo.utils import counters
-from rope_dedup.toy_decoder import RopeSpec, ToyDecoder, homogeneous, local_global, rope_tensors, unique_storages
+from rope_dedup.toy_decoder import TableRecipe, ToyDecoder, homogeneous, local_global, rope_tensors, unique_storages
 
 from rope_dedup import RopeDedupBackend
 
@@ -111,7 +111,9 @@ def test_device_moves_recompile_and_share_on_each_device() -> None:
         with torch.no_grad():
             torch.testing.assert_close(compiled(TOKENS.to(device)), reference(TOKENS.to(device)), rtol=0, atol=0)
         assert rope_storages(model) == IDEAL["local_global"]
-    assert graphs() <= 2
+    # One graph per device: the device guard fails on cpu (a recompile), and back on cuda the first graph's
+    # guards hold again (as for dtypes above), so it is reused.
+    assert graphs() == 2
 
 
 def test_deleting_the_model_frees_its_canonical_tables() -> None:
@@ -154,7 +156,7 @@ def test_a_model_built_with_other_specs_after_compile_is_not_merged() -> None:
     model = ToyDecoder(homogeneous(2, max_len=64)).eval()
     compiled = torch.compile(model, backend=RopeDedupBackend("eager"))
     compiled(TOKENS)
-    other = ToyDecoder([RopeSpec(max_len=64), RopeSpec(max_len=64, theta=5e5)]).eval()
+    other = ToyDecoder([TableRecipe(max_len=64), TableRecipe(max_len=64, theta=5e5)]).eval()
     other.load_state_dict(model.state_dict())
     for name, tensor in rope_tensors(other):
         owner, attr = name.rsplit(".", 1)

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from helpers import build, compile_model, unwrap
 from torch._dynamo.utils import counters
 from ideal import ideal_storages
-from rope_dedup.toy_decoder import FILLED_LAYOUTS, LAYOUTS, SCALINGS, RopeSpec, rope_tensors
+from rope_dedup.toy_decoder import FILLED_LAYOUTS, LAYOUTS, SCALINGS, TableRecipe, rope_tensors
 
 from rope_dedup import RopeDedupBackend
 
@@ -28,8 +28,8 @@ SEQ = 8
 
 
 @st.composite
-def rope_specs(draw) -> RopeSpec:
-    return RopeSpec(
+def rope_specs(draw) -> TableRecipe:
+    return TableRecipe(
         layout=draw(st.sampled_from(LAYOUTS + FILLED_LAYOUTS)),
         theta=draw(st.sampled_from([1e4, 5e5, 1e6, 12345.0])),
         rotary_dim=draw(st.sampled_from([None, 8])),

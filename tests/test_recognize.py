@@ -81,13 +81,13 @@ def dtypes_for(layout: str) -> tuple[torch.dtype, ...]:
 
 
 def frequencies(theta: float, dim: int, scaling: str | None = None, factor: float = 4.0) -> torch.Tensor:
-    return toy.inv_freq(toy.RopeSpec(theta=theta, scaling=scaling, factor=factor), dim)
+    return toy.inv_freq(toy.TableRecipe(theta=theta, scaling=scaling, factor=factor), dim)
 
 
 def make_table(layout: str, theta: float = 1e4, dim: int = 64, length: int = 256,
                dtype: torch.dtype = torch.float32, scaling: str | None = None, factor: float = 4.0) -> torch.Tensor:
     """One RoPE table in ``layout``; ``dim`` is the rotary dim (2 x the number of frequencies)."""
-    spec = toy.RopeSpec(theta=theta, scaling=scaling, factor=factor)
+    spec = toy.TableRecipe(theta=theta, scaling=scaling, factor=factor)
     freqs = toy.inv_freq(spec, dim)
     if layout == "inv_freq":
         return freqs.to(dtype)
@@ -221,7 +221,7 @@ def test_hf_old_4d_shape_matches_the_2d_table() -> None:
 def test_partial_rotary_reports_the_rotary_dim_not_the_head_dim(layout: str) -> None:
     # The toy module builds the tables exactly as its forward uses them: rotary dim 16 of a 64-wide head.
     for theta in THETAS:
-        rope = toy.Rope(toy.RopeSpec(layout=layout, theta=theta, rotary_dim=16, max_len=128), head_dim=64)
+        rope = toy.Rope(toy.TableRecipe(layout=layout, theta=theta, rotary_dim=16, max_len=128), head_dim=64)
         tensors = toy.rope_tensors(rope)
         assert tensors
         for name, tensor in tensors:
@@ -244,7 +244,7 @@ def test_partial_rotary_in_half_precision(layout: str) -> None:
 
 
 def test_filled_lazy_cache_is_an_angle_table() -> None:
-    rope = toy.Rope(toy.RopeSpec(layout="lazy_cache", theta=1e4, max_len=64), head_dim=32)
+    rope = toy.Rope(toy.TableRecipe(layout="lazy_cache", theta=1e4, max_len=64), head_dim=32)
     assert_not_rope(rope.cached_freqs)  # zeros until the first forward
     rope(torch.randn(1, 2, 64, 32))
     key = key_of(rope.cached_freqs)
@@ -254,7 +254,7 @@ def test_filled_lazy_cache_is_an_angle_table() -> None:
 
 def test_tables_of_a_model_are_found_and_nothing_else() -> None:
     torch.manual_seed(0)
-    specs = [toy.RopeSpec(layout=layout, theta=5e5) for layout in toy.LAYOUTS]
+    specs = [toy.TableRecipe(layout=layout, theta=5e5) for layout in toy.LAYOUTS]
     model = toy.ToyDecoder(specs)
     model(torch.randint(0, 64, (1, specs[0].max_len)))  # fills the lazy cache, every position of it
     tables = {id(tensor) for _, tensor in toy.rope_tensors(model)}
