@@ -47,7 +47,6 @@ class Refusal:
         return self.reason in (SkipReason.TRAINABLE, SkipReason.NOT_ROPE)
 
 
-
 def in_state_dict(kind: str, persistent: bool | None) -> bool:
     """Whether module state of this kind is saved in a ``state_dict``: a parameter always, a buffer unless
     registered with ``persistent=False`` (``persistent`` None: not known, so assume saved)."""

@@ -91,9 +91,9 @@ class Explanation:
         applying = sum(1 for row in self.layers if row.applied)
         if not tables and not applying:
             return "RoPE audit: no RoPE table found (none held by the model, none applied in its forward)"
+        before, after = format_bytes(self.report.bytes_before), format_bytes(self.report.bytes_after)
         line = (f"RoPE audit: {tables} table(s) in {len(self.layers)} layer(s), {len(self.groups)} distinct; "
-                f"sharing would take {format_bytes(self.report.bytes_before)} -> {format_bytes(self.report.bytes_after)}; "
-                f"{applying} layer(s) apply RoPE")
+                f"sharing would take {before} -> {after}; {applying} layer(s) apply RoPE")
         if self.judged:
             line += f"; {len(self.mismatches)} mismatch(es) with the expectation"
         return line

@@ -331,7 +331,8 @@ def _rebuild_matches(parts: dict[str, torch.Tensor], freqs: torch.Tensor, amplit
     for name, part in parts.items():
         part = part[rows]
         if name == "angle":
-            ok = (part - angles).abs() <= 3 * eps * max(amplitude, 1.0) * (1 + angles.abs()) + _ANGLE_REL_ERR * angles.abs()
+            rounding = 3 * eps * max(amplitude, 1.0) * (1 + angles.abs())
+            ok = (part - angles).abs() <= rounding + _ANGLE_REL_ERR * angles.abs()
         else:
             rebuilt = amplitude * (torch.cos(angles) if name == "cos" else torch.sin(angles))
             ok = (part - rebuilt).abs() <= _value_tolerance(eps, amplitude, angles)

@@ -150,10 +150,8 @@ class DedupReport:
             by_reason = Counter(s.reason for s in self.skipped if s.kind is not SkipReason.TRAINABLE)
             if trainable:
                 lines.append(f"  {trainable} trainable parameter(s) (requires grad): never shared, not listed")
-            for reason, count in by_reason.items():
-                paths = [s.path for s in self.skipped if s.reason == reason]
-                shown = ", ".join(paths[:4]) + (f", ... (+{count - 4})" if count > 4 else "")
-                lines.append(f"  {reason}: {shown}")
+            for reason in by_reason:
+                lines.append(f"  {reason}: {_listed([s.path for s in self.skipped if s.reason == reason])}")
         if self.departed:
             lines.append(f"freed after sharing {len(self.departed)}:")
             replaced = [d for d in self.departed if d.replaced]

@@ -18,5 +18,6 @@ def unshare(model: torch.nn.Module, backend: RopeDedupBackend = rope_dedup_backe
     paths of the tensors that were unshared.
     """
     released = Refusal(SkipReason.RELEASED)
+    # A list, not a generator: every store must release the tensor, not just the first that held it.
     return [path for path, tensor in module_tensors(model).values()
             if any([store.release(tensor, reason=released) for store in backend.stores])]
