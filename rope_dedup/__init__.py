@@ -8,6 +8,22 @@ examined ends up shared or skipped with a reason in the report. :func:`explain` 
 attention layer applies, and with ``expect=RopeSpec(...)`` or ``expect="config"`` checks it.
 """
 
+import torch
+
+# The releases the suite was run on (README, "Supported torch"); pyproject.toml declares the same range.
+SUPPORTED_TORCH = (2, 10), (2, 16)
+
+
+def _torch_release(version: str) -> tuple[int, int]:
+    """(major, minor) of a torch version string such as ``2.11.0+cu130`` or ``2.16.0a0+git1234``."""
+    major, minor = version.split("+")[0].split(".")[:2]
+    return int(major), int(minor)
+
+
+if not SUPPORTED_TORCH[0] <= _torch_release(torch.__version__) < SUPPORTED_TORCH[1]:
+    raise ImportError(f"rope_dedup supports torch>={'.'.join(map(str, SUPPORTED_TORCH[0]))},"
+                      f"<{'.'.join(map(str, SUPPORTED_TORCH[1]))}; installed torch is {torch.__version__}")
+
 from rope_dedup.backend import RopeDedupBackend, rope_dedup_backend
 from rope_dedup.check import RopeMismatch
 from rope_dedup.config import RopeDedupConfig

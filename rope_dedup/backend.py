@@ -66,6 +66,15 @@ class RopeDedupBackend:
         self.copy_seconds = 0.0  # the safety copy of each graph (see __call__), all graphs together
         self.errors: list[str] = []
 
+    def __copy__(self) -> RopeDedupBackend:
+        return self
+
+    def __deepcopy__(self, memo: dict) -> RopeDedupBackend:
+        return self
+
+    def __reduce__(self) -> tuple:
+        return _fresh_backend, (self.config,)
+
     @property
     def stores(self) -> list[CanonicalStore]:
         """One store per storage policy the compiles asked for (dry run, share_persistent)."""
@@ -152,6 +161,10 @@ class RopeDedupBackend:
         """The report with members named by their full path in ``model`` (useful after regional compile)."""
         return DedupReport.from_stores(self._stores.values(), model=model, errors=self.errors,
                                        pass_seconds=self.pass_seconds)
+
+
+def _fresh_backend(config: RopeDedupConfig) -> RopeDedupBackend:
+    return RopeDedupBackend(config=config)
 
 
 rope_dedup_backend = RopeDedupBackend()

@@ -10,7 +10,9 @@ call.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import pickle
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Callable, Mapping
@@ -107,6 +109,40 @@ class RopeDedupConfig:
                              f"rope_dedup's options are {', '.join(self.option_names())}")
         self.inner_backend()  # inductor checks its mode and options here, not at the first call
 
+    def _fields(self) -> dict[str, Any]:
+        """The constructor's keywords that rebuild this config (options as a plain dict)."""
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        values["inner_options"] = dict(self.inner_options)
+        return values
+
+    def __copy__(self) -> RopeDedupConfig:
+        return self  # frozen: a shallow copy could not differ
+
+    def __deepcopy__(self, memo: dict) -> RopeDedupConfig:
+        # Frameworks deep-copy torch.compile's keywords (Lightning Fabric): copy field by field, so a field
+        # that cannot be copied is named, and rebuild through the constructor, which validates again.
+        copied = {}
+        for name, value in self._fields().items():
+            try:
+                copied[name] = copy.deepcopy(value, memo)
+            except Exception as error:
+                raise TypeError(f"cannot deep-copy RopeDedupConfig: field {name!r} holds {value!r}, which "
+                                f"cannot be deep-copied ({error})") from error
+        return RopeDedupConfig(**copied)
+
+    def __reduce_ex__(self, protocol: int) -> tuple:
+        # The read-only options view cannot be pickled: pickle the keywords and rebuild through the
+        # constructor. Each field is tried first, so an unpicklable one (a lambda inner) is named.
+        values = self._fields()
+        for name, value in values.items():
+            try:
+                pickle.dumps(value, protocol)
+            except Exception as error:
+                raise pickle.PicklingError(
+                    f"cannot pickle RopeDedupConfig: field {name!r} holds {value!r}, which cannot be pickled "
+                    f"({error}); name the inner backend by string or use a module-level function") from error
+        return _rebuild_config, (values,)
+
     @classmethod
     def from_options(cls, options: Mapping[str, Any] | None = None, *, base: RopeDedupConfig | None = None,
                      mode: str | None = None) -> RopeDedupConfig:
@@ -154,3 +190,7 @@ class RopeDedupConfig:
         fold = default[0] if self.fold_constants is None else self.fold_constants
         merge = default[1] if self.merge_computed is None else self.merge_computed
         return fold, merge
+
+
+def _rebuild_config(values: dict[str, Any]) -> RopeDedupConfig:
+    return RopeDedupConfig(**values)

@@ -247,3 +247,30 @@ def test_dynamo_reset_resets_the_inner_backend_as_for_inductor_alone(inductor_ca
     torch.compile(ToyDecoder(homogeneous(1)), backend=RopeDedupBackend(), mode="reduce-overhead")(TOKENS)
     torch._dynamo.reset()
     assert alone >= 1 and len(resets) == 2 * alone
+
+
+def test_an_unsupported_torch_fails_at_import_with_one_line() -> None:
+    child = subprocess.run([sys.executable, "-c", "import torch; torch.__version__ = '2.9.1+cu128'; import rope_dedup"],
+                           capture_output=True, text=True, timeout=300)
+    assert child.returncode != 0
+    assert child.stderr.strip().splitlines()[-1] == \
+        "ImportError: rope_dedup supports torch>=2.10,<2.16; installed torch is 2.9.1+cu128"
+
+
+def test_the_declared_torch_range_is_the_one_checked_at_import() -> None:
+    import tomllib
+    from pathlib import Path
+
+    from rope_dedup import SUPPORTED_TORCH
+    pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    (low, high) = (".".join(map(str, v)) for v in SUPPORTED_TORCH)
+    assert f"torch>={low},<{high}" in pyproject["project"]["dependencies"]
+
+
+def test_ci_runs_the_readme_test_command() -> None:
+    from pathlib import Path
+
+    root = Path(__file__).parents[1]
+    readme = (root / "README.md").read_text()
+    command = next(line for line in readme.splitlines() if line.startswith("python3 -m venv .venv-nox"))
+    assert command in (root / ".ci" / "run").read_text()

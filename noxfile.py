@@ -1,0 +1,63 @@
+"""The project's test sessions, each in a venv of its own: ``nox`` runs the default ones (what CI runs).
+
+    nox                          # tests, then transformers4: every default test
+    nox -s torch                 # the fast suite on every supported torch release
+    nox -s "torch(version='2.11.0')"
+    nox -r                       # reuse the venvs of an earlier run (much faster locally)
+
+Arguments after ``--`` go to pytest: ``nox -s tests -- tests/test_pass.py -x``.
+
+torch comes first in every venv, pinned: 2.13.0 is the CPU wheel on this machine's disk, and an open range on
+a machine without torch would pull a multi-GB CUDA build. The project is installed after it, so its range is
+already satisfied and pip keeps that torch.
+"""
+
+from __future__ import annotations
+
+import nox
+
+nox.options.default_venv_backend = "venv"
+nox.options.sessions = ["tests", "transformers4"]
+
+CI_TORCH = "2.13.0"
+# The releases the README's "Supported torch versions" table was measured on.
+TORCH_RELEASES = ["2.10.0", "2.11.0", "2.12.1", "2.13.0", "2.14.1", "2.15.0"]
+# torchtitan's model code without its training stack (datasets, wandb, tensorboard, ...), which would
+# pull a second torch.
+TORCHTITAN = ["torchtitan==0.3.0", "spmd_types==0.2.3"]
+TORCHTITAN_DEPS = ["tyro==1.0.17"]
+PYTEST = ["python", "-m", "pytest", "-n", "2"]
+
+
+def install_test_env(session: nox.Session, torch_version: str, env: dict[str, str] | None = None) -> None:
+    session.install(f"torch=={torch_version}", env=env)
+    # Naming torch again holds it at that version while the project's requirements resolve.
+    session.install("-e", ".[test]", f"torch=={torch_version}", env=env)
+    session.install("--no-deps", *TORCHTITAN, env=env)
+    session.install(*TORCHTITAN_DEPS, f"torch=={torch_version}", env=env)
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """The fast default suite on CI's torch, torchtitan's models and Lightning Fabric included."""
+    install_test_env(session, CI_TORCH)
+    session.run(*PYTEST, *session.posargs)
+
+
+@nox.session
+def transformers4(session: nox.Session) -> None:
+    """transformers 4.x models (per-attention caches): 4.x cannot share a venv with the 5.x of ``tests``."""
+    session.install(f"torch=={CI_TORCH}")
+    session.install("-e", ".[test-transformers4]", f"torch=={CI_TORCH}")
+    session.run(*PYTEST, *(session.posargs or ["tests/test_transformers4.py"]))
+
+
+@nox.session
+@nox.parametrize("version", TORCH_RELEASES)
+def torch(session: nox.Session, version: str) -> None:
+    """The fast suite on one torch release. Releases other than 2.13.0 are the registry's default (CUDA)
+    builds, several GB each, which run on CPU; this machine's pip constraint caps torch, so it is lifted
+    here, and the exact pin above keeps every other install at this version."""
+    install_test_env(session, version, env={"PIP_CONSTRAINT": "/dev/null"})
+    session.run("python", "-c", "import torch; print('torch', torch.__version__)")
+    session.run(*PYTEST, *session.posargs)
