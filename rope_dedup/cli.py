@@ -257,15 +257,17 @@ def _table(title: str, columns: Sequence[str], caption: str | None = None):
 def _memory_table(ok: dict[str, dict], inner: str, cuda: bool):
     ideal = next(iter(ok.values()))
     table = _table(f"Memory (unique storages; compiled modes use {inner})",
-                   ("mode", "RoPE tensors→storages", "RoPE bytes", "÷ ideal", "buffers", "peak RSS running",
-                    "peak RSS process", *(("CUDA alloc", "CUDA max running") if cuda else ()), "max |Δ| vs eager"),
+                   ("mode", "RoPE tensors→storages", "RoPE bytes", "÷ ideal", "buffers", "build peak",
+                    "1st call +", "running peak", "process peak", *(("CUDA alloc", "CUDA max running") if cuda else ()), "max |Δ| vs eager"),
                    caption=f"ideal, each distinct table stored once: {ideal['ideal_storages']} storage(s), "
-                           f"{format_bytes(ideal['ideal_bytes'])}. Peak RSS running: from the end of the first call "
-                           f"(compile) to the last step; process: the whole child, model build included.")
+                           f"{format_bytes(ideal['ideal_bytes'])}. Peaks are RSS. Build: while the model is built; 1st call +: how "
+                           f"far the first call (compile included) raised RSS above the built model; running: from "
+                           f"the end of the first call to the last step; process: the whole child.")
     for mode, r in ok.items():
         table.add_row(prof.mode_label(mode, inner), f"{r['rope_tables']} → {r['rope_storages']}",
                       format_bytes(r["rope_bytes"]), f"{r['rope_bytes'] / r['ideal_bytes']:.2f}",
-                      format_bytes(r["buffer_bytes"]), _bytes_or_dash(r["peak_rss_steps"]),
+                      format_bytes(r["buffer_bytes"]), _bytes_or_dash(r["peak_rss_build"]),
+                      _bytes_or_dash(prof.first_call_growth(r)), _bytes_or_dash(r["peak_rss_steps"]),
                       format_bytes(r["peak_rss_process"]),
                       *((format_bytes(r["cuda_allocated"]), format_bytes(r["cuda_max_allocated_steps"])) if cuda else ()),
                       f"{r['max_abs_err_vs_eager']:.1e}")

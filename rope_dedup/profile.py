@@ -16,6 +16,7 @@ how a failure is shown.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import platform
@@ -144,6 +145,20 @@ class _Peaks:
 
     def process_peak(self) -> int:
         return max(v for v in self.rss.values() if v is not None) if self.resettable else _max_rss()
+
+
+def allocator_peak(fn: Callable[[], Any]) -> int:
+    """The most bytes that ``fn``'s own allocations held at once, from the allocator events torch's profiler
+    records (every allocation and free, on CPU as on CUDA): a transient that RSS would hide in the heap."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as recorded:
+        fn()
+    with tempfile.NamedTemporaryFile(suffix=".json") as trace:
+        recorded.export_chrome_trace(trace.name)
+        events = json.loads(Path(trace.name).read_text())["traceEvents"]
+    sizes = [e["args"]["Bytes"] for e in sorted(events, key=lambda e: e["ts"]) if e.get("name") == "[memory]"]
+    return max(itertools.accumulate(sizes, initial=0))
 
 
 def _max_rss() -> int:
@@ -284,6 +299,7 @@ def measure(config: ProfileConfig, mode: str) -> dict[str, Any]:
     _simulated_oom(mode, config.device)
     peaks = _Peaks(cuda)
     peaks.end_phase("build")
+    rss_before_first_call = _current_rss()
 
     run, backend, capture = _prepare(mode, model, config)
     if config.train:
@@ -328,6 +344,7 @@ def measure(config: ProfileConfig, mode: str) -> dict[str, Any]:
         "buffer_bytes": toy.unique_storages(_state_tensors(model))[1],
         "peak_rss_build": peaks.rss["build"],
         "peak_rss_compile": peaks.rss["compile"],
+        "rss_before_first_call": rss_before_first_call,
         "peak_rss_steps": peaks.rss["steps"],
         "peak_rss_process": peaks.process_peak(),
         "rss_end": _current_rss(),
@@ -454,8 +471,25 @@ def summarize(results: dict[str, dict]) -> dict[str, Any]:
         summary["first_call_ratio"] = dedup["first_call_s"] / base["first_call_s"]
         if base["peak_rss_steps"] is not None and dedup["peak_rss_steps"] is not None:
             summary["peak_rss_steps_saved"] = base["peak_rss_steps"] - dedup["peak_rss_steps"]
+        summary["peak_rss_process_ratio"] = dedup["peak_rss_process"] / base["peak_rss_process"]
+        growth = {mode: first_call_growth(r) for mode, r in (("compile", base), ("rope_dedup", dedup))}
+        if None not in growth.values():
+            summary["first_call_growth_vs_allowed"] = growth["rope_dedup"] / (
+                FIRST_CALL_GROWTH_FACTOR * growth["compile"] + FIRST_CALL_GROWTH_SLACK)
         summary["rope_bytes_saved"] = base["rope_bytes"] - dedup["rope_bytes"]
     return summary
+
+
+# The pass may raise the first call's peak by at most this much more than the compile alone does: its own
+# copies (recognition, the graph copy) must stay small beside the tables it shares.
+FIRST_CALL_GROWTH_FACTOR, FIRST_CALL_GROWTH_SLACK = 1.25, 16 << 20
+
+
+def first_call_growth(result: dict[str, Any]) -> int | None:
+    """How far the first call (compile included) raised RSS above where the built model stood."""
+    if result.get("peak_rss_compile") is None or result.get("rss_before_first_call") is None:
+        return None
+    return max(0, result["peak_rss_compile"] - result["rss_before_first_call"])
 
 
 TARGETS = (  # (summary key, label, limit, how it is judged)
@@ -465,6 +499,8 @@ TARGETS = (  # (summary key, label, limit, how it is judged)
     ("rope_dedup_intern_overhead", "interning / step time (target set for 2 layers)", 0.02, "<="),
     ("regional_intern_overhead", "interning / step time, regional", 0.02, "<="),
     ("step_ratio", "step time rope_dedup / alone", 1.0, "<="),
+    ("peak_rss_process_ratio", "peak RSS process rope_dedup / alone", 1.0, "<="),
+    ("first_call_growth_vs_allowed", "first-call peak growth / (1.25 x alone + 16 MiB)", 1.0, "<="),
 )
 
 

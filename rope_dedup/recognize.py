@@ -4,14 +4,22 @@ Buffer names are never consulted: a table is RoPE-like when its values are repro
 precision of its dtype, by ``A * cos(p * f_j)`` / ``A * sin(p * f_j)`` (or the complex or angle form)
 for positions ``p = 0..L-1`` and some positive frequencies ``f_j``. The frequencies are measured by
 unwrapping the angle column by column at positions 1, 2, 4, ... (each step refines the previous
-estimate), then the whole table is rebuilt in float64 and compared. Random buffers, masks, norms and
+estimate), then the table is rebuilt in float64 and compared. Random buffers, masks, norms and
 learned embeddings fail that rebuild by orders of magnitude, so the check is both strict and cheap.
+
+Recognition never copies a whole table: it runs while every layer's copy is still alive, at the moment
+memory is fullest, so a float64 copy would raise the peak by up to four tables' worth. Blocks stay views
+of the tensor in its own dtype; only the rows a step reads are converted to float64, on the tensor's
+device, a chunk at a time (:func:`_chunk_rows`). Whole-table scans (finite, written rows, maximum,
+repeated halves) are reductions or chunked. The transient stays within a quarter of the table, or a few
+hundred KiB for a small one.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from typing import Iterator
 
 import torch
 
@@ -19,6 +27,10 @@ from rope_dedup.tensors import is_plain, local
 
 # Positions the rebuild check looks at in a long table (all of them in a short one).
 _CHECKED_ROWS = 4096
+# Values handled at a time: 1/256 of the table's bytes (a chunk's float64 temporaries, about six of them,
+# stay within a quarter of it), but at least 4096 (32 KiB each: tiny tables need not be cut finer) and at most
+# 65536 (512 KiB each, whatever the table's size).
+_CHUNK_MIN, _CHUNK_MAX = 1 << 12, 1 << 16
 # Relative rounding a float32 angle ``p * f`` picks up when a model computes its table: a few ulps.
 _ANGLE_REL_ERR = 1e-6
 
@@ -73,36 +85,67 @@ def recognize_rope_table(tensor: torch.Tensor) -> RopeTable | NotRope:
     if not (tensor.dtype.is_floating_point or tensor.dtype.is_complex):
         return NotRope(f"dtype {tensor.dtype} cannot hold a rotary table")
     # Leading/middle singleton dims are a broadcasting convenience: HF's (1, 1, L, d), Megatron's (L, 1, 1, d).
-    x = tensor.detach().reshape([s for s in tensor.shape if s != 1])
+    # squeeze() is always a view; reshape would copy a non-contiguous table.
+    x = tensor.detach().squeeze()
     if x.dim() >= 2 and not _first_row_plausible(x[0]):
         return NotRope("position 0 is not cos = const / sin = 0")
-    if not bool(torch.isfinite(x).all()):
+    if not all(bool(torch.isfinite(x[rows]).all()) for rows in _row_chunks(x, x)):
         return NotRope("contains NaN or inf")
     if x.dim() < 2:
         return _recognize(x, tensor)
     # A cache filled lazily (rotary-embedding-torch: zeros at init, the first seq_len rows written by the
     # first forward): RoPE rows followed by rows never written. No RoPE row after position 0 is all zeros.
-    written = x.reshape(x.shape[0], -1).ne(0).any(dim=1)
-    filled = int(written.nonzero().max()) + 1 if bool(written.any()) else 0
-    if filled == x.shape[0]:
+    if bool(x[-1].ne(0).any()):  # the last row is written: the whole table is
         return _recognize(x, tensor)
+    written = torch.cat([x[rows].reshape(rows.stop - rows.start, -1).ne(0).any(dim=1) for rows in _row_chunks(x, x)])
+    filled = int(written.nonzero().max()) + 1 if bool(written.any()) else 0
     if filled < 2:
         return NotRope("all zeros after position 0: a cache not filled yet")
     found = _recognize(x[:filled], tensor)
     return replace(found, length=x.shape[0], filled=filled) if isinstance(found, RopeTable) else found
 
 
+def _chunk_rows(part: torch.Tensor, width: int) -> int:
+    """Rows of ``width`` values to handle at a time, for a block of ``part``'s size (see _CHUNK_MIN)."""
+    elements = min(_CHUNK_MAX, max(_CHUNK_MIN, part.numel() * part.element_size() // 256))
+    return max(1, elements // max(1, width))
+
+
+def _row_chunks(x: torch.Tensor, part: torch.Tensor) -> Iterator[slice]:
+    """Slices of ``x``'s first dim, sized by :func:`_chunk_rows` for ``part``."""
+    if x.dim() == 0:
+        yield slice(None)
+        return
+    step = _chunk_rows(part, x[0].numel() * (2 if x.is_complex() else 1))
+    for start in range(0, x.shape[0], step):
+        yield slice(start, min(start + step, x.shape[0]))
+
+
+def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """``torch.equal`` a chunk at a time: on strided views it copies both operands whole."""
+    return all(torch.equal(a[rows], b[rows]) for rows in _row_chunks(a, a))
+
+
+def _f64(values: torch.Tensor) -> torch.Tensor:
+    """A few rows of a block, in float64 (the only copies recognition makes)."""
+    return values.to(torch.float64)
+
+
+def _abs_max(part: torch.Tensor) -> float:
+    """``part.abs().max()`` a chunk at a time: a reduction over a strided view copies it whole first."""
+    return max(max(chunk.max().item(), -chunk.min().item()) for chunk in (part[rows] for rows in _row_chunks(part, part)))
+
+
 def _recognize(x: torch.Tensor, tensor: torch.Tensor) -> RopeTable | NotRope:
-    """Recognition proper, on the squeezed values ``x`` of ``tensor``."""
+    """Recognition proper, on the squeezed values ``x`` of ``tensor`` (views, never copies)."""
     eps, floor = _eps(tensor.dtype), _floor(tensor.dtype)
     if x.is_complex():
         if x.dim() != 2:
             return NotRope(f"complex tensor of shape {tuple(tensor.shape)} is not (positions, freqs)")
-        x = x.to(torch.complex128)
-        return _from_parts("complex", {"cos": x.real, "sin": x.imag}, eps)
-    x = x.to(torch.float64)
+        pairs = torch.view_as_real(x)
+        return _from_parts("complex", {"cos": pairs[..., 0], "sin": pairs[..., 1]}, eps)
     if x.dim() == 1:
-        return _from_inv_freq(x, eps, floor)
+        return _from_inv_freq(_f64(x), eps, floor)
     if x.dim() == 3 and x.shape[-1] == 2:
         first, second = x[..., 0], x[..., 1]
         names = (_kind(first, eps, floor), _kind(second, eps, floor))
@@ -118,7 +161,7 @@ def _recognize(x: torch.Tensor, tensor: torch.Tensor) -> RopeTable | NotRope:
 def _first_row_plausible(row: torch.Tensor) -> bool:
     """Cheap pre-check before any float64 work: at position 0 every entry is 0 (sin, angle) or A (cos)."""
     row = torch.view_as_real(row) if row.is_complex() else row
-    row = row.flatten().to(torch.float64)
+    row = _f64(row.flatten())
     if not bool(torch.isfinite(row).all()):
         return False
     big = row[row.abs() > 1e-2 * row.abs().max().clamp_min(1e-30)]
@@ -129,8 +172,8 @@ def _kind(part: torch.Tensor, eps: float, floor: float) -> str | None:
     """Classify a (L, n) block by its first rows: cos starts at A, sin at 0, angle at 0 and grows linearly."""
     if part.shape[0] < 2:
         return None
-    row0 = part[0]
-    scale = part.abs().max().item()
+    row0 = _f64(part[0])
+    scale = _abs_max(part)
     if scale == 0:
         return None
     if (row0 - row0[0]).abs().max().item() <= 1e-2 * scale and row0[0].item() > 0:
@@ -140,7 +183,7 @@ def _kind(part: torch.Tensor, eps: float, floor: float) -> str | None:
         # Both rows are rounded to the table's dtype (row 1 of slow columns to subnormals in fp16): fixed
         # tolerances would turn half-precision angle tables into "sin".
         rtol, atol = max(1e-3, 4 * eps), max(1e-6, last * floor)
-        if last >= 2 and torch.allclose(part[last], part[1] * last, rtol=rtol, atol=atol):
+        if last >= 2 and torch.allclose(_f64(part[last]), _f64(part[1]) * last, rtol=rtol, atol=atol):
             return "angle"
         return "sin"
     return None
@@ -151,9 +194,9 @@ def _repeat_mode(part: torch.Tensor) -> tuple[str, torch.Tensor]:
     width = part.shape[-1]
     if width % 2 == 0 and width >= 4:
         half = width // 2
-        if torch.equal(part[:, :half], part[:, half:]):
+        if _equal(part[:, :half], part[:, half:]):
             return "halves", part[:, :half]
-        if torch.equal(part[:, 0::2], part[:, 1::2]):
+        if _equal(part[:, 0::2], part[:, 1::2]):
             return "interleaved", part[:, 0::2]
     return "", part
 
@@ -194,9 +237,9 @@ def _from_parts(layout: str, parts: dict[str, torch.Tensor], eps: float) -> Rope
     if angle is not None:
         amplitude = 1.0
         # Per column: an angle table rounds each value relatively, so a slow column is as exact as a fast one.
-        noise = 4 * eps * (angle[-1].abs() + 1)
+        noise = 4 * eps * (_f64(angle[-1]).abs() + 1)
     elif cos is not None:
-        amplitude = cos[0].mean().item()
+        amplitude = _f64(cos[0]).mean().item()
         # acos loses precision near 0 and pi: noise grows like sqrt(eps) there.
         noise = 4 * eps if sin is not None else math.sqrt(8 * eps)
     else:
@@ -211,11 +254,14 @@ def _from_parts(layout: str, parts: dict[str, torch.Tensor], eps: float) -> Rope
     freqs = freqs.clamp_min(0)
     if sin is not None and cos is None:
         # The first guess (two entries of a half-precision column) can be ~1% off, and asin bends the slow
-        # columns' frequencies by as much: refit the amplitude on the whole table and measure once more.
-        positions = torch.arange(length, dtype=torch.float64, device=sin.device)[:, None]
+        # columns' frequencies by as much: refit the amplitude on the checked rows and measure once more.
         for again in (True, False):
-            phases = torch.sin(positions * freqs)
-            amplitude = float((sin * phases).sum() / (phases * phases).sum())
+            fitted = projected = 0.0
+            for rows in _checked_rows(sin, freqs.numel()):
+                phases = torch.sin(rows.to(torch.float64)[:, None] * freqs)
+                fitted += float((_f64(sin[rows]) * phases).sum())
+                projected += float((phases * phases).sum())
+            amplitude = fitted / projected
             if again:
                 freqs = _measure_freqs(cos, sin, angle, amplitude, eps).clamp_min(0)
     if not _rebuild_matches(parts, freqs, amplitude, eps):
@@ -253,9 +299,10 @@ def _sin_amplitude(sin: torch.Tensor) -> float:
     """A sin-only table hides its amplitude: s2 / (2 s1) = cos f gives f, then A = s1 / sin f (column 0)."""
     if sin.shape[0] < 3 or sin[1, 0].item() == 0:
         return 1.0
-    cos_f = max(-1.0, min(1.0, (sin[2, 0] / (2 * sin[1, 0])).item()))
+    s1, s2 = float(sin[1, 0].item()), float(sin[2, 0].item())
+    cos_f = max(-1.0, min(1.0, s2 / (2 * s1)))
     sin_f = math.sin(math.acos(cos_f))
-    return abs(sin[1, 0].item() / sin_f) if sin_f > 0 else 1.0
+    return abs(s1 / sin_f) if sin_f > 0 else 1.0
 
 
 def _measure_freqs(cos, sin, angle, amplitude: float, eps: float) -> torch.Tensor:
@@ -263,7 +310,7 @@ def _measure_freqs(cos, sin, angle, amplitude: float, eps: float) -> torch.Tenso
     any_part = next(p for p in (cos, sin, angle) if p is not None)
     length = any_part.shape[0]
     if angle is not None:
-        return angle[length - 1] / (length - 1)
+        return _f64(angle[length - 1]) / (length - 1)
     # Per value, relative to the amplitude: cos/sin computed in float32 (~1 ulp) and rounded to the dtype
     # (eps / 2). Realistic, not padded: rows are ranked by it, and padding favours the sqrt regime below.
     value_err = eps
@@ -271,14 +318,14 @@ def _measure_freqs(cos, sin, angle, amplitude: float, eps: float) -> torch.Tenso
     def measure(p: int) -> tuple[list[torch.Tensor], torch.Tensor]:
         # Angles at row p are known modulo 2*pi, and only up to a reflection when one of cos/sin is missing.
         if cos is not None and sin is not None:
-            base = torch.atan2(sin[p], cos[p])
+            base = torch.atan2(_f64(sin[p]), _f64(cos[p]))
             return [base], torch.full_like(base, value_err)
         if cos is not None:
-            value = (cos[p] / amplitude).clamp(-1, 1)
+            value = (_f64(cos[p]) / amplitude).clamp(-1, 1)
             base = torch.acos(value)
             branches = [base, -base]
         else:
-            value = (sin[p] / amplitude).clamp(-1, 1)
+            value = (_f64(sin[p]) / amplitude).clamp(-1, 1)
             base = torch.asin(value)
             branches = [base, math.pi - base]
         # A lone cos (sin) pins the angle poorly near its reflection points 0, pi (+-pi/2): the error is
@@ -314,30 +361,37 @@ def _measure_freqs(cos, sin, angle, amplitude: float, eps: float) -> torch.Tenso
     return freqs
 
 
-def _rebuild_matches(parts: dict[str, torch.Tensor], freqs: torch.Tensor, amplitude: float, eps: float) -> bool:
-    """Rebuild every block in float64 from (freqs, amplitude) and compare within dtype + angle precision.
+def _checked_rows(part: torch.Tensor, width: int) -> list[torch.Tensor]:
+    """The positions of ``part`` the rebuild check reads, as index chunks of :func:`_chunk_rows` rows.
 
     Long tables are checked at _CHECKED_ROWS evenly spaced positions plus the last ones: enough to tell
     a RoPE table from anything else, at a fraction of the cost (the pass's time is dominated by this
     check at 128K positions). Sharing never rests on it: equal content is verified element by element.
     """
-    any_part = next(iter(parts.values()))
-    length = any_part.shape[0]
-    rows = torch.arange(length, device=any_part.device)
+    length, device = part.shape[0], part.device
+    rows = torch.arange(length, device=device)
     if length > 2 * _CHECKED_ROWS:
-        spaced = torch.linspace(0, length - 1, _CHECKED_ROWS, device=any_part.device).long()
+        spaced = torch.linspace(0, length - 1, _CHECKED_ROWS, device=device).long()
         rows = torch.unique(torch.cat([spaced, rows[-16:]]))
-    angles = rows.to(torch.float64)[:, None] * freqs
-    for name, part in parts.items():
-        part = part[rows]
-        if name == "angle":
-            rounding = 3 * eps * max(amplitude, 1.0) * (1 + angles.abs())
-            ok = (part - angles).abs() <= rounding + _ANGLE_REL_ERR * angles.abs()
-        else:
-            rebuilt = amplitude * (torch.cos(angles) if name == "cos" else torch.sin(angles))
-            ok = (part - rebuilt).abs() <= _value_tolerance(eps, amplitude, angles)
-        if not bool(ok.all()):
-            return False
+    return list(rows.split(_chunk_rows(part, width)))
+
+
+def _rebuild_matches(parts: dict[str, torch.Tensor], freqs: torch.Tensor, amplitude: float, eps: float) -> bool:
+    """Rebuild every block in float64 from (freqs, amplitude) and compare within dtype + angle precision,
+    a chunk of the checked rows at a time."""
+    any_part = next(iter(parts.values()))
+    for rows in _checked_rows(any_part, freqs.numel()):
+        angles = rows.to(torch.float64)[:, None] * freqs
+        for name, part in parts.items():
+            part = _f64(part[rows])
+            if name == "angle":
+                rounding = 3 * eps * max(amplitude, 1.0) * (1 + angles.abs())
+                ok = (part - angles).abs() <= rounding + _ANGLE_REL_ERR * angles.abs()
+            else:
+                rebuilt = amplitude * (torch.cos(angles) if name == "cos" else torch.sin(angles))
+                ok = (part - rebuilt).abs() <= _value_tolerance(eps, amplitude, angles)
+            if not bool(ok.all()):
+                return False
     return True
 
 

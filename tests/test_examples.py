@@ -25,11 +25,13 @@ EXPECTED = {  # script -> lines its output must contain
     "read_report.py": ["skipped: layers.4.attention.rope.cached_freqs: written in the graph"],
     "export_program.py": ["constants: 16 -> 2", "reloaded program equals eager"],
     "bench_computed_rope.py": ["fold+merge"],
+    "bench_recognition_peak.py": ["complex (freqs_cis)"],
     # 8 GPT-J layers, each a (16384, 32) float32 embed_positions: 7 of 8 copies freed.
     "profile_gptj.py": ["rope_dedup vs eager alone: RoPE storage 14.7 MB less"],
 }
 TAKES_INNER = {name for name in EXPECTED
-               if name not in ("audit.py", "catch_misconfiguration.py", "export_program.py", "bench_computed_rope.py")}
+               if name not in ("audit.py", "catch_misconfiguration.py", "export_program.py", "bench_computed_rope.py",
+                            "bench_recognition_peak.py")}
 # The benchmark at a size that only checks it runs (its figures come from the full run, docs/benchmarks.md).
 ARGS = {"bench_computed_rope.py": ["--layers", "2", "--context", "256", "--seq", "16", "--rounds", "2",
                                    "--warmup", "1", "--inners", "eager", "--modes", "forward"]}
