@@ -33,6 +33,7 @@ from rope_dedup.passes.dedup_rope import dedup_rope
 from rope_dedup.passes.pass_base import RopePassResult
 from rope_dedup.keys import RopeKey
 from rope_dedup.report import DedupReport, Departed, Group, Skip
+from rope_dedup.share import share, sharing
 from rope_dedup.spec import RopeSpec
 from rope_dedup.tracing import symbolic_trace
 from rope_dedup.unshare import unshare
@@ -54,6 +55,8 @@ __all__ = [
     "dedup_rope",
     "explain",
     "rope_dedup_backend",
+    "share",
+    "sharing",
     "symbolic_trace",
     "unshare",
 ]

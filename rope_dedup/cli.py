@@ -82,7 +82,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--device", choices=("cpu", "cuda"), help="where the model runs")
     p.add_argument("--inner", choices=prof.INNERS, help="backend compared with, and used under rope_dedup")
     p.add_argument("--modes", type=_modes, help=f"comma-separated, from {','.join(prof.MODES)} (or 'all'); "
-                                                "'regional' compiles block by block")
+                                                "'regional' compiles block by block; 'share' runs eager after "
+                                                "rope_dedup.share(model), 'sharing' builds inside rope_dedup.sharing()")
     p.add_argument("--steps", type=_positive_int, help="timed forward steps after the first call, at least")
     p.add_argument("--step-seconds", type=float, help="and stepping lasts at least this long (default 1)")
     p.add_argument("--seq", type=_positive_int, help="tokens per step")
@@ -282,7 +283,7 @@ def _time_table(ok: dict[str, dict], inner: str, train: bool):
                            f"check of the compiled callable (InterningCallable.intern_inputs)")
     for mode, r in ok.items():
         intern = r["intern_s_per_call"] is not None
-        table.add_row(prof.mode_label(mode, inner), "-" if mode == "eager" else f"{r['first_call_s']:.2f}",
+        table.add_row(prof.mode_label(mode, inner), "-" if mode in prof.EAGER_MODES else f"{r['first_call_s']:.2f}",
                       f"{r['step_s'] * 1e3:.2f}", f"{r['step_s_min'] * 1e3:.2f}",
                       "-" if r["pass_s"] is None else f"{r['pass_s']:.3f}",
                       f"{r['intern_s_per_call'] * 1e6:.2f}" if intern else "-",

@@ -23,11 +23,15 @@ class SkipReason(enum.Enum):
                   "share_persistent=True opts in")
     SHARDED = "DTensor with {detail} placement: only replicated tables are shared"
     SUBCLASS = "tensor subclass {detail} is not supported"
-    META = "meta tensor: no data to compare"
+    META = "meta tensor: no data to compare; share after the tables are initialized (to_empty, init_weights)"
     INFERENCE = "inference tensor: cannot be aliased outside inference mode"
     NOT_ROPE = "not RoPE-like: {detail}"
     ALIAS_FAILED = "could not alias its storage: {detail}"
     RELEASED = "released by rope_dedup.unshare: never shared again"
+    FILLING = ("a cache filled in place on demand ({detail}): never shared without a graph to tell when it is "
+               "written; compile, or share() once it is full")
+    UNSEEN_ATTRIBUTE = ("plain tensor attribute: buffer registration hooks do not see it while the model is built; "
+                        "rope_dedup.share(model) after the build reaches it")
 
 
 @dataclass(frozen=True)

@@ -67,6 +67,7 @@ class DedupReport:
     errors: list[str] = field(default_factory=list)  # pass failures that made a graph compile unshared
     departed: list[Departed] = field(default_factory=list)  # shared, then freed, and not shared again
     pass_seconds: dict[str, float] = field(default_factory=dict)  # pass name -> seconds, all graphs together
+    newly_shared: list[str] | None = None  # rope_dedup.share(): the paths this call shared (None: not a share())
 
     @property
     def bytes_before(self) -> int:
@@ -164,6 +165,11 @@ class DedupReport:
             if gone:
                 lines.append(f"  freed: the owner dropped or replaced it (report_for(model) tells which): "
                              f"{_listed(gone)}")
+        if self.newly_shared is not None:
+            lines.append(f"this share() call shared {len(self.newly_shared)} tensor(s)" if self.newly_shared else
+                         "this share() call shared nothing new: every RoPE table was already shared or skipped")
+        if not self.groups and not self.errors:
+            lines.append("no RoPE table found")
         if self.pass_seconds:
             lines.append("pass time: " + ", ".join(f"{name} {s:.3f} s" for name, s in self.pass_seconds.items()))
         return "\n".join(lines)

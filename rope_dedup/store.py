@@ -153,7 +153,7 @@ class CanonicalStore:
             if group.placement != placement(tensor):
                 continue
             canonical = group.canonical()
-            if canonical is not None and same_values(local(canonical), mine):
+            if canonical is not None and _may_equal(local(canonical), mine) and same_values(local(canonical), mine):
                 return group
         return None
 
@@ -230,6 +230,12 @@ class CanonicalStore:
             log.info("rope_dedup: %s has its own storage again", member.name)
         return True
 
+    def refuse(self, tensor: torch.Tensor, name: str, refusal: Refusal) -> None:
+        """Give a member its own storage back and skip it for ``refusal``: a rule that could only be checked
+        after the tensor was shared (a buffer's persistence, set after torch's registration hook runs)."""
+        self.release(tensor)
+        self._skip(name, refusal, tensor)
+
     def _skip(self, name: str, refusal: Refusal, tensor: torch.Tensor) -> None:
         refs = self._skipped_refs.setdefault(name, [])
         refs[:] = [r for r in refs if r() is not None]
@@ -273,6 +279,15 @@ class CanonicalStore:
             if live:
                 result.append((group, live))
         return result
+
+
+def _may_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Two rows first (the middle and the last position): a table of another theta, or a cos beside a sin of
+    the same shape, differs there, and the full comparison of a large table costs milliseconds."""
+    if a.dim() == 0:
+        return True
+    rows = (a.shape[0] // 2, a.shape[0] - 1)
+    return all(same_values(a[r], b[r]) for r in rows)
 
 
 def base_name(name: str) -> str:

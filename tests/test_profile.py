@@ -84,3 +84,34 @@ def test_every_profile_layout_reaches_the_ideal(layout: str) -> None:
 
 def test_lazy_cache_is_not_a_profile_layout() -> None:
     assert "lazy_cache" not in prof.profile_layouts() and "complex" in prof.profile_layouts()
+
+
+@pytest.mark.parametrize("mode", ["share", "sharing"])
+@pytest.mark.parametrize("layout", ["cos_sin", "complex", "gptj"])
+def test_the_eager_sharing_modes_reach_the_ideal(mode: str, layout: str) -> None:
+    config = prof.ProfileConfig(layers=3, context=64, head_dim=16, layout=layout, pattern="local_global",
+                                inner="eager", steps=1, step_seconds=0, modes=())
+    threads = torch.get_num_threads()
+    try:
+        figures = prof.measure(config, mode)
+    finally:
+        torch.set_num_threads(threads)
+    assert figures["max_abs_err_vs_eager"] == 0.0 and figures["graphs"] == 0
+    if mode == "sharing" and layout == "gptj":  # a plain attribute: registration hooks never see it
+        assert figures["rope_storages"] == figures["rope_storages_before"] == config.layers
+    else:
+        assert (figures["rope_storages"], figures["rope_bytes"]) == (figures["ideal_storages"], figures["ideal_bytes"])
+    assert (figures["share_s"] is not None) == (mode == "share")
+
+
+def test_eager_sharing_targets() -> None:
+    eager = {"peak_rss_build": 1100, "rss_before_build": 100, "rope_bytes": 1, "ideal_bytes": 1,
+             "intern_overhead": None}
+    sharing = dict(eager, peak_rss_build=150)
+    share = dict(eager, rope_bytes_before=1000, rope_bytes=100, rss_before_first_call=1000, rss_after_share=300,
+                 share_s=0.1)
+    summary = prof.summarize({"eager": eager, "sharing": sharing, "share": share})
+    assert summary["sharing_build_growth_vs_eager"] == pytest.approx(0.05)
+    assert summary["share_rss_freed_vs_tables_freed"] == pytest.approx(700 / 900)
+    rows = {label: met for label, _, _, _, met in prof.check_targets(summary)}
+    assert rows["build peak growth in sharing() / plain build"] and rows["RSS freed by share() / table bytes freed"]

@@ -4,9 +4,11 @@ For each generated model: outputs identical to the same compile without the pass
 included); unique RoPE storages equal an ideal computed here from construction; caches written
 on every call keep their own storage; caches filled by the first call and only read after it (partly
 filled: the rest are zeros) are shared like any table; no extra graphs on repeated calls; every table
-the graphs read is shared or skipped with a reason. ``ROPE_DEDUP_PROPERTY_EXAMPLES`` sets the number of
-examples over the three inner backends (default 100: 50 eager, 40 aot_eager, 10 inductor; the long run
-uses 500+).
+the graphs read is shared or skipped with a reason. A third path shares without compiling
+(``rope_dedup.share`` after a forward): eager outputs bitwise equal to the unshared model, storages at the
+ideal of share()'s rules. ``ROPE_DEDUP_PROPERTY_EXAMPLES`` sets the number of examples over the three
+inner backends (default 100: 50 eager, 40 aot_eager, 10 inductor; the long run uses 500+), plus 3/10 of it
+for share().
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ from torch._dynamo.utils import counters
 from ideal import ideal_storages
 from rope_dedup.toy_decoder import FILLED_LAYOUTS, LAYOUTS, SCALINGS, TableRecipe, rope_tensors
 
-from rope_dedup import RopeDedupBackend
+from rope_dedup import RopeDedupBackend, share
+from rope_dedup.tensors import same_values
 
 EXAMPLES = int(os.environ.get("ROPE_DEDUP_PROPERTY_EXAMPLES", "100"))
 SEQ = 8
@@ -116,13 +119,45 @@ def keeps_every_promise(case) -> None:
     assert not report.errors
 
 
+def filled_on_demand(name: str) -> bool:
+    return name.endswith(("cached_freqs", "filled_freqs"))
+
+
+def share_keeps_every_promise(case) -> None:
+    """share() in eager: filled-on-demand caches (never full here: SEQ < max_len) and tables with fewer than
+    two moving frequencies keep their own storage; every other distinct table is stored once, including
+    ``original_inv_freq``, which no forward reads but share() sees."""
+    tokens = [torch.randint(0, 64, (1, SEQ), generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    reference = build(case["specs"], case["seed"], case["graph_break"])
+    model = build(case["specs"], case["seed"], case["graph_break"])
+    with torch.no_grad():
+        expected = [reference(tokens[0])]
+        outputs = [model(tokens[0])]
+        report = share(model, backend=RopeDedupBackend("eager"))
+        expected.append(reference(tokens[1]))
+        outputs.append(model(tokens[1]))
+    for got, want in zip(outputs, expected):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    own, distinct = 0, []
+    for name, t in rope_tensors(reference):
+        if filled_on_demand(name) or moving_frequencies(t) < 2:
+            own += 1
+        elif not any(u.dtype == t.dtype and u.shape == t.shape and same_values(u, t) for u in distinct):
+            distinct.append(t)
+    assert len({t.untyped_storage().data_ptr() for _, t in rope_tensors(model)}) == own + len(distinct)
+    shared = {m for g in report.groups for m in g.members}
+    skipped = {s.path for s in report.skipped}
+    assert all(name in shared or name in skipped for name, _ in rope_tensors(model))
+    assert not report.errors
+
+
 def random_decoders(inner: str, tenths: int):
     """A property test over ``tenths``/10 of the examples, all compiled with ``inner``."""
     @settings(max_examples=max(1, EXAMPLES * tenths // 10), deadline=None, derandomize=True, database=None,
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
     @given(decoders(inner))
     def test(case) -> None:
-        keeps_every_promise(case)
+        (share_keeps_every_promise if inner == "share" else keeps_every_promise)(case)
     return test
 
 
@@ -131,3 +166,4 @@ def random_decoders(inner: str, tenths: int):
 test_random_decoders_eager = random_decoders("eager", 5)
 test_random_decoders_aot_eager = random_decoders("aot_eager", 4)
 test_random_decoders_inductor = random_decoders("inductor", 1)
+test_random_decoders_share = random_decoders("share", 3)

@@ -1,0 +1,184 @@
+"""Share RoPE tables without compiling: :func:`share` on a built model, :class:`sharing` while one is built.
+
+Both go through a backend's canonical store, with the rules the compile-time pass uses (recognition, keys,
+exact equality, eligibility, skip reasons), so a model shared in eager and compiled later keeps its
+storages, and one report covers both.
+
+In eager nothing says which module writes its table, as a graph does at compile time. The rule here: a
+cache that is only partly filled (RoPE rows followed by rows never written, as rotary-embedding-torch fills
+its ``cached_freqs`` on demand) is never shared, since layers with different theta agree on the rows
+written so far and would then fill the rest into one storage. A full table is shared; a module that writes
+its own equal values into it again changes nothing. Code that writes *other* values into a shared table
+must call :func:`rope_dedup.unshare` first, as for writes outside a compiled graph.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from typing import Any, Iterator
+
+import torch
+from torch.nn.modules.module import register_module_buffer_registration_hook
+
+from rope_dedup.backend import RopeDedupBackend, rope_dedup_backend
+from rope_dedup.eligibility import Refusal, SkipReason
+from rope_dedup.memory import release_if_freed
+from rope_dedup.report import DedupReport, Skip
+from rope_dedup.store import Action, CanonicalStore, Plan
+
+_SETTINGS = ("share_persistent", "dry_run", "release_memory")
+
+
+def _store(backend: RopeDedupBackend | None, settings: dict[str, Any]) -> tuple[RopeDedupBackend, CanonicalStore,
+                                                                               bool]:
+    """The backend (default: the one ``torch.compile(..., backend="rope_dedup")`` uses), the store of its
+    policy for these settings, and whether to give freed memory back to the OS."""
+    unknown = sorted(set(settings) - set(_SETTINGS))
+    if unknown:
+        raise TypeError(f"unknown setting(s) {', '.join(unknown)}: sharing without compiling takes "
+                        f"{', '.join(_SETTINGS)}")
+    backend = rope_dedup_backend if backend is None else backend
+    if not isinstance(backend, RopeDedupBackend):
+        raise TypeError(f"backend must be a RopeDedupBackend, got {type(backend).__name__}")
+    config = dataclasses.replace(backend.config, **settings)
+    return backend, backend._store_for(config), config.release_memory
+
+
+def _state(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor, str, bool]]:
+    """(path, tensor, kind, saved in the state_dict) for every parameter, buffer and plain tensor attribute,
+    each tensor object once."""
+    seen: set[int] = set()
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        dot = f"{prefix}." if prefix else ""
+        entries = [(name, t, "parameter", True) for name, t in module._parameters.items()]
+        entries += [(name, t, "buffer", name not in module._non_persistent_buffers_set)
+                    for name, t in module._buffers.items()]
+        entries += [(name, t, "attribute", False) for name, t in vars(module).items() if isinstance(t, torch.Tensor)]
+        for name, tensor, kind, persistent in entries:
+            if tensor is not None and id(tensor) not in seen:
+                seen.add(id(tensor))
+                yield dot + name, tensor, kind, persistent
+
+
+def _still_filling(plan: Plan) -> Refusal | None:
+    """A partly filled cache, or one equal to a partly filled canonical: see the module docstring."""
+    key = plan.key if plan.action is Action.NEW else plan.group.key if plan.action is Action.JOIN else None
+    if key is None or key.filled is None:
+        return None
+    return Refusal(SkipReason.FILLING, f"{key.filled} of {key.length} positions written")
+
+
+def _offer(store: CanonicalStore, tensor: torch.Tensor, name: str, persistent: bool) -> Plan:
+    plan = store.decide(tensor, persistent=persistent)
+    refusal = _still_filling(plan)
+    if refusal is not None:
+        plan = Plan(Action.SKIP, refusal=refusal)
+    store.apply(plan, tensor, name)
+    return plan
+
+
+def share(*models: torch.nn.Module, backend: RopeDedupBackend | None = None, **settings: Any) -> DedupReport:
+    """Share identical RoPE tables of ``models`` in place, with no compile and no change to model code.
+
+    Every parameter, buffer and plain tensor attribute (``inv_freq`` included) is offered to ``backend``'s
+    store (default: the store of ``rope_dedup_backend``, which ``torch.compile(..., backend="rope_dedup")``
+    uses), so tables of several models share too, and compiling later keeps these storages. Settings:
+    ``share_persistent``, ``dry_run`` and ``release_memory``, as in :class:`~rope_dedup.RopeDedupConfig`.
+    A second call changes nothing: the report's ``newly_shared`` is then empty. Tables still on the meta
+    device are skipped (share after they are initialized), and so are partly filled caches. Returns the
+    report of the store, with members named by their path in the first model.
+    """
+    if not models:
+        raise TypeError("share() needs at least one nn.Module")
+    for model in models:
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"share() takes nn.Module objects, got {type(model).__name__}: {model!r:.80}")
+    backend, store, release = _store(backend, settings)
+    newly: list[str] = []
+    for model in models:
+        for path, tensor, _, persistent in _state(model):
+            if _offer(store, tensor, path, persistent).action is Action.JOIN:
+                newly.append(path)
+    if release and not store.dry_run:
+        release_if_freed(store)
+    report = backend.report_for(models[0])
+    return dataclasses.replace(report, newly_shared=newly)
+
+
+class sharing:  # noqa: N801 (used as a context manager, like torch.no_grad)
+    """``with rope_dedup.sharing():`` shares each RoPE table registered as a buffer inside the block with an
+    equal one registered before, the moment it is registered, so a model built inside holds about one
+    table per distinct key while it is built.
+
+    It works through torch's public ``register_module_buffer_registration_hook``, which sees
+    ``register_buffer`` and assignments to existing buffers, not plain tensor attributes (:meth:`report_for`
+    lists those) nor ``Module._apply`` (``.to()``, ``to_empty()``: call :func:`share` after them). The hook
+    is process-wide: buffers registered by other threads during the block are shared too. Blocks do not
+    nest, and one block is entered once. Persistence is set after the hook runs, so a persistent buffer is
+    shared at once and gets its own storage back at the end of the block (unless ``share_persistent``).
+    """
+
+    _active_lock = threading.Lock()
+    _active: sharing | None = None
+
+    def __init__(self, backend: RopeDedupBackend | None = None, **settings: Any) -> None:
+        self.backend, self.store, self._release = _store(backend, settings)
+        self._handle = None
+        self._used = False
+        self._pending: list[tuple[torch.nn.Module, str, torch.Tensor]] = []  # persistence not known yet
+
+    def __enter__(self) -> sharing:
+        with sharing._active_lock:
+            if self._used:
+                raise RuntimeError("this sharing() block was already entered: make a new one")
+            if sharing._active is not None:
+                raise RuntimeError("sharing() blocks do not nest: one is already active")
+            sharing._active, self._used = self, True
+        self._handle = register_module_buffer_registration_hook(self._registered)
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        if self._handle is None:
+            raise RuntimeError("sharing() block exited without being active")
+        self._handle.remove()
+        self._handle = None
+        with sharing._active_lock:
+            sharing._active = None
+        self._settle_persistence()
+        if self._release and not self.store.dry_run:
+            release_if_freed(self.store)
+
+    def _registered(self, module: torch.nn.Module, name: str, tensor: torch.Tensor | None) -> None:
+        self._settle_persistence()
+        if tensor is None or not (tensor.is_floating_point() or tensor.is_complex()):
+            return None
+        label = f"{type(module).__name__}.{name}"
+        known = name in module._buffers  # an assignment to an existing buffer: its persistence is set
+        persistent = known and name not in module._non_persistent_buffers_set
+        if _offer(self.store, tensor, label, persistent).action in (Action.JOIN, Action.NEW) and not known:
+            self._pending.append((module, name, tensor))
+        return None  # the tensor itself now reads the canonical storage
+
+    def _settle_persistence(self) -> None:
+        """Buffers shared while being registered: persistent ones get their own storage back."""
+        pending, self._pending = self._pending, []
+        for module, name, tensor in pending:
+            if module._buffers.get(name) is not tensor:
+                continue
+            if name not in module._non_persistent_buffers_set and not self.store.share_persistent:
+                self.store.refuse(tensor, f"{type(module).__name__}.{name}", Refusal(SkipReason.PERSISTENT))
+
+    @property
+    def report(self) -> DedupReport:
+        return self.backend.report
+
+    def report_for(self, model: torch.nn.Module) -> DedupReport:
+        """The report with full paths in ``model``, and its plain tensor attributes, which the hook cannot see,
+        listed as skipped unless something else shared them."""
+        report = self.backend.report_for(model)
+        shared = {m for g in report.groups for m in g.members}
+        unseen = [Skip(path, SkipReason.UNSEEN_ATTRIBUTE.value, SkipReason.UNSEEN_ATTRIBUTE)
+                  for path, tensor, kind, _ in _state(model)
+                  if kind == "attribute" and path not in shared and (tensor.is_floating_point() or tensor.is_complex())]
+        return dataclasses.replace(report, skipped=report.skipped + unseen)
