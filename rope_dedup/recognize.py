@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from types import EllipsisType
 from typing import Iterator
 
 import torch
@@ -111,10 +112,10 @@ def _chunk_rows(part: torch.Tensor, width: int) -> int:
     return max(1, elements // max(1, width))
 
 
-def _row_chunks(x: torch.Tensor, part: torch.Tensor) -> Iterator[slice]:
+def _row_chunks(x: torch.Tensor, part: torch.Tensor) -> Iterator[slice | EllipsisType]:
     """Slices of ``x``'s first dim, sized by :func:`_chunk_rows` for ``part``."""
     if x.dim() == 0:
-        yield slice(None)
+        yield ...  # a scalar (a (1, 1) buffer squeezed): the whole of it
         return
     step = _chunk_rows(part, x[0].numel() * (2 if x.is_complex() else 1))
     for start in range(0, x.shape[0], step):

@@ -569,3 +569,9 @@ def test_property_rope_tables_are_recognized_and_noise_is_not(theta: float, dim:
 
     noise = torch.randn(table.shape, dtype=dtype, generator=torch.Generator().manual_seed(seed))
     assert_not_rope(noise)
+
+
+@pytest.mark.parametrize("shape", [(), (1,), (1, 1), (1, 1, 1)])
+def test_a_scalar_is_not_a_table_and_recognition_does_not_fail_on_it(shape: tuple[int, ...]) -> None:
+    """RecurrentGemma holds scalar buffers: squeezed, they have no rows to scan."""
+    assert isinstance(recognize_rope_table(torch.full(shape, 3.0)), NotRope)
