@@ -4,7 +4,8 @@
 compiled graphs read, keys it by (theta, dim, length, dtype, device, layout, scaling), verifies equal
 content, and leaves one storage per distinct table; :func:`dedup_rope` does the same for a plain
 ``torch.fx.GraphModule`` and :func:`dedup_exported` for a ``torch.export`` program. Every tensor
-examined ends up shared or skipped with a reason in the report. :func:`explain` audits which RoPE each
+examined ends up shared or skipped with a reason in the report. Without compiling, :func:`share` does the
+same to a built model in place and :class:`sharing` while one is built. :func:`explain` audits which RoPE each
 attention layer applies, and with ``expect=RopeSpec(...)`` or ``expect="config"`` checks it.
 """
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rope_dedup.tensors import is_dtensor, is_plain, local
+from rope_dedup.tensors import is_dtensor, is_plain, local, readable
 
 
 class SkipReason(enum.Enum):
@@ -24,6 +24,7 @@ class SkipReason(enum.Enum):
     SHARDED = "DTensor with {detail} placement: only replicated tables are shared"
     SUBCLASS = "tensor subclass {detail} is not supported"
     META = "meta tensor: no data to compare; share after the tables are initialized (to_empty, init_weights)"
+    FREED = "storage freed or shrunk in place (untyped_storage().resize_): nothing to compare"
     INFERENCE = "inference tensor: cannot be aliased outside inference mode"
     NOT_ROPE = "not RoPE-like: {detail}"
     ALIAS_FAILED = "could not alias its storage: {detail}"
@@ -82,6 +83,8 @@ def why_not_shareable(tensor: torch.Tensor, written: str | None, persistent: boo
         return Refusal(SkipReason.SUBCLASS, type(tensor).__name__)
     if tensor.is_meta:
         return Refusal(SkipReason.META)
+    if not readable(tensor):
+        return Refusal(SkipReason.FREED)
     if torch.is_inference(tensor) and not torch.is_inference_mode_enabled():
         return Refusal(SkipReason.INFERENCE)
     return None

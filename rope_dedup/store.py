@@ -25,7 +25,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from rope_dedup.eligibility import Refusal, SkipReason, why_not_shareable
 from rope_dedup.keys import RopeKey, infer_key
 from rope_dedup.recognize import NotRope, recognize_rope_table
-from rope_dedup.tensors import local, memory_ptr, placement, same_values, storage_nbytes, storage_ptr
+from rope_dedup.tensors import local, memory_ptr, placement, readable, same_values, storage_nbytes, storage_ptr
 
 log = logging.getLogger("rope_dedup")
 
@@ -35,6 +35,7 @@ class _Member:
     ref: weakref.ref
     name: str
     original_nbytes: int  # storage it held alone when first offered (0 if already shared): the "before" side
+    ptr: int  # memory_ptr when it joined: the key of the store's pointer count
 
 
 @dataclass
@@ -113,7 +114,8 @@ class CanonicalStore:
         return plan
 
     def decide(self, tensor: torch.Tensor, written: str | None = None, persistent: bool = False) -> Plan:
-        """What :meth:`apply` would do with ``tensor``: reads the store and the tensor, changes neither."""
+        """What :meth:`apply` would do with ``tensor``: reads the store and the tensor, and changes neither,
+        except that members whose storage is gone are forgotten before a canonical table is read."""
         member = id(tensor) in self._group_of
         if member and written is None:
             return Plan(Action.KNOWN)
@@ -142,9 +144,23 @@ class CanonicalStore:
         elif plan.action is Action.NEW:
             self._new_group(tensor, plan.key, self._unique_name(name))
 
+    def _drop_dead(self) -> None:
+        """Forget members whose storage was freed or shrunk in place, or moved to meta, before anything reads
+        a canonical table: the next equal table becomes canonical, and the report names them as departed."""
+        for group in list(self._groups):
+            for ident, member in list(group.members.items()):
+                tensor = member.ref()
+                if tensor is not None and not readable(tensor):
+                    log.warning("rope_dedup: %s was freed or shrunk in place while shared: dropped from the store",
+                                member.name)
+                    self._forget(ident, member.ptr, departed=True)
+
     def _find_equal(self, tensor: torch.Tensor) -> _Group | None:
         """The group whose canonical table equals ``tensor`` exactly (same shape, stride, dtype, device)."""
         mine = local(tensor)
+        if not readable(mine):
+            return None
+        self._drop_dead()
         for group in self._groups:
             if group.shape != tuple(mine.shape) or group.stride != tuple(mine.stride()):
                 continue
@@ -188,7 +204,7 @@ class CanonicalStore:
         ident = id(tensor)
         ptr = memory_ptr(tensor)
         group.members[ident] = _Member(weakref.ref(tensor, lambda _: self._forget(ident, ptr, departed=True)),
-                                       name, original_nbytes)
+                                       name, original_nbytes, ptr)
         self._group_of[ident] = group
         self._ptr_count[ptr] = self._ptr_count.get(ptr, 0) + 1
         self.skipped.pop(name, None)
@@ -258,7 +274,10 @@ class CanonicalStore:
         Lets a caller that removes duplicates instead of aliasing them (``dedup_exported``, dry runs)
         find the one tensor to keep."""
         group = self._group_of.get(id(tensor))
-        return None if group is None else group.canonical()
+        if group is None:
+            return None
+        self._drop_dead()
+        return group.canonical()
 
     def take_freed_cpu_bytes(self) -> int:
         """CPU bytes aliasing let go since the last call (an upper bound: a view elsewhere may keep one)."""

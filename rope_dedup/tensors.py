@@ -62,6 +62,19 @@ def has_storage(tensor: torch.Tensor) -> bool:
     return is_plain(inner) and not inner.is_meta
 
 
+def readable(tensor: torch.Tensor) -> bool:
+    """Whether the tensor's storage still holds every element it addresses: not freed or shrunk in place
+    (``untyped_storage().resize_(0)``, as offloading and sleep modes do), not meta. Any read of a tensor
+    whose storage shrank, ``torch.equal`` included, is a segmentation fault, not an exception."""
+    inner = local(tensor)
+    if not is_plain(inner) or inner.is_meta:
+        return False
+    if inner.numel() == 0:
+        return True
+    extent = 1 + sum((size - 1) * stride for size, stride in zip(inner.shape, inner.stride()))
+    return inner.untyped_storage().nbytes() >= (inner.storage_offset() + extent) * inner.element_size()
+
+
 def same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
     """``torch.equal``, also for complex32 (ComplexHalf), which torch.equal does not implement."""
     if a.dtype == torch.complex32:
