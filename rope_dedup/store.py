@@ -255,7 +255,10 @@ class CanonicalStore:
     def _skip(self, name: str, refusal: Refusal, tensor: torch.Tensor) -> None:
         refs = self._skipped_refs.setdefault(name, [])
         refs[:] = [r for r in refs if r() is not None]
-        if not any(r() is tensor for r in refs):
+        # No weak reference to a parameter: torch.utils.swap_tensors refuses a tensor that has one, and
+        # Module._apply swaps parameters (to_empty under FSDP2, or with swap_module_params_on_conversion).
+        # A skipped parameter is then reported under the name it was offered with.
+        if not isinstance(tensor, torch.nn.Parameter) and not any(r() is tensor for r in refs):
             refs.append(weakref.ref(tensor))
         if self.skipped.get(name) != refusal:
             log.log(logging.DEBUG if refusal.routine else logging.INFO, "rope_dedup: skipped %s: %s", name,

@@ -156,6 +156,52 @@ def fsdp2_regional(mesh, device: str) -> dict:
     }
 
 
+def meta_init_share(mesh, device: str) -> dict:
+    """Case 6: torchtitan's order without the pass at build time: build on meta, shard (FSDP2), to_empty,
+    init, then rope_dedup.share() and per-block compile with the same backend."""
+    from rope_dedup import share
+
+    tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(6)).to(device)
+    initial = [t for _, t in rope_tensors(ToyDecoder(homogeneous(4)))]  # what init_weights computes
+    results, meta_skips = {}, None
+    for name in ("plain", "shared"):
+        with torch.device("meta"):
+            model = ToyDecoder(homogeneous(4))
+        for block in model.layers:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        backend = RopeDedupBackend("aot_eager") if name == "shared" else "aot_eager"
+        if name == "shared":  # before init: every table on meta, skipped with its reason
+            meta_skips = sorted({s.reason for s in share(model, backend=backend).skipped if "rope" in s.path})
+        model.to_empty(device=device)
+        torch.manual_seed(0)
+        with torch.no_grad():
+            for module in model.modules():
+                if isinstance(module, (nn.Linear, nn.Embedding, nn.LayerNorm)):
+                    module.reset_parameters()
+            for (_, table), value in zip(rope_tensors(model), initial):
+                table.copy_(value)
+        if name == "shared":
+            share(model, backend=backend)
+        shared_after_init = local_storages(t for _, t in rope_tensors(model))
+        for i, block in enumerate(model.layers):
+            model.layers[i] = torch.compile(block, backend=backend)
+        losses = []
+        for _ in range(2):
+            loss = model(tokens).logsumexp(-1).mean()
+            loss.backward()
+            losses.append(loss.item())
+        results[name] = (losses, shared_after_init, local_storages(t for _, t in rope_tensors(model)))
+    return {
+        "loss_diff": max(abs(a - b) for a, b in zip(results["plain"][0], results["shared"][0])),
+        "before": results["plain"][2],
+        "after_share": results["shared"][1],
+        "after": results["shared"][2],
+        "meta_skips": meta_skips,
+        "ideal": 2,
+    }
+
+
 def pipeline_chunks(mesh, device: str) -> dict:
     """Case 4: two model chunks on one rank; one backend instance shares across them, two never do."""
     tokens = torch.randint(0, 64, (1, 16), generator=torch.Generator().manual_seed(4)).to(device)
@@ -194,7 +240,8 @@ def main() -> None:
     dist.init_process_group("nccl" if device == "cuda" else "gloo")
     mesh = init_device_mesh(device, (dist.get_world_size(),))
     cases = {"replicated": replicated_decoder, "tensor_parallel": tensor_parallel,
-             "fsdp2_regional": fsdp2_regional, "pipeline": pipeline_chunks, "sharded": sharded_tables}
+             "fsdp2_regional": fsdp2_regional, "pipeline": pipeline_chunks, "sharded": sharded_tables,
+             "meta_init_share": meta_init_share}
     selected = [c for c in cases if c in sys.argv] or list(cases)
     results = {}
     for name in selected:

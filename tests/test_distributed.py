@@ -57,6 +57,14 @@ def test_fsdp2_per_block_compile(ranks) -> None:
         assert (rank["before"], rank["after"]) == (8, rank["ideal"])
 
 
+def test_meta_build_then_share_after_init_then_compile(ranks) -> None:
+    for rank in per_rank(ranks, "meta_init_share"):
+        assert rank["loss_diff"] == 0.0
+        assert (rank["before"], rank["after_share"], rank["after"]) == (8, rank["ideal"], rank["ideal"])
+        assert rank["meta_skips"] == ["meta tensor: no data to compare; share after the tables are initialized "
+                                      "(to_empty, init_weights)"]
+
+
 def test_pipeline_chunks_share_only_within_one_backend(ranks) -> None:
     for rank in per_rank(ranks, "pipeline"):
         assert rank == {"same_backend": 2, "two_backends": 4}

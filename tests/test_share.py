@@ -200,3 +200,29 @@ def test_sharing_used_wrongly_fails_clearly_and_the_hook_goes_on_an_exception() 
 
 def test_the_public_names() -> None:
     assert rope_dedup.share is share and rope_dedup.sharing is sharing
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_a_failure_midway_leaves_nothing_half_shared(k: int, monkeypatch) -> None:
+    """An exception at the k-th storage re-point: the tables before it are shared, the rest their own, and
+    outputs are those of the unshared model."""
+    import rope_dedup.store as store_module
+
+    model, reference = twins(local_global(6))
+    calls = {"n": 0}
+    real = store_module._share_storage
+
+    def failing(mine: torch.Tensor, canonical: torch.Tensor) -> None:
+        calls["n"] += 1
+        if calls["n"] == k:
+            raise MemoryError("injected")
+        real(mine, canonical)
+
+    monkeypatch.setattr(store_module, "_share_storage", failing)
+    with pytest.raises(MemoryError, match="injected"):
+        share(model, backend=RopeDedupBackend("eager"))
+    for (_, table), (_, original) in zip(rope_tensors(model), rope_tensors(reference)):
+        assert same_values(table, original)  # each table reads its own values, shared or not
+    assert storages(model) == storages(reference) - (k - 1)
+    with torch.no_grad():
+        torch.testing.assert_close(model(TOKENS), reference(TOKENS), rtol=0, atol=0)

@@ -101,6 +101,29 @@ def test_per_attention_caches_share_and_regrown_ones_share_again(name: str, inne
                             for t in ("inv_freq", "cos_cached", "sin_cached"))
 
 
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_share_in_eager_then_regrown_caches_then_share_again(name: str) -> None:
+    """Without compiling: share() leaves one storage per table; a longer sequence re-registers every layer's
+    caches in forward (each its own, outputs exact), the report names the shared ones that went, and a second
+    share() brings the tables back to the ideal."""
+    from rope_dedup import share
+
+    reference, model = MODELS[name](), MODELS[name]()
+    backend = RopeDedupBackend("eager")
+    share(model, backend=backend)
+    assert unique_storages(rope_tensors(model)) == 3  # inv_freq, cos_cached, sin_cached
+    with torch.no_grad():
+        for seq in (16, MAX_POSITIONS + 16):
+            torch.testing.assert_close(model(tokens(seq)).logits, reference(tokens(seq)).logits, rtol=0, atol=0)
+    assert unique_storages(rope_tensors(model)) == 1 + 2 * LAYERS
+    departed = {d.path for d in backend.report_for(model).departed}
+    assert departed == {f"model.layers.{i}.self_attn.rotary_emb.{t}" for i in range(LAYERS)
+                        for t in ("cos_cached", "sin_cached")}
+    again = share(model, backend=backend)
+    assert unique_storages(rope_tensors(model)) == 3 and len(again.newly_shared) == 2 * (LAYERS - 1)
+    assert not again.departed
+
+
 def test_generate_past_max_positions_reports_the_regrown_caches() -> None:
     """``generate`` with transformers 4.44's DynamicCache recompiles on every step (its token counter is
     a static int to dynamo) until the recompile limit, with or without rope_dedup; from then on forward
