@@ -303,8 +303,9 @@ def measure(config: ProfileConfig, mode: str) -> dict[str, Any]:
     torch.set_num_threads(config.threads)
     cuda = config.device == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    rss_before_build = _current_rss()
+    # Made before the build is measured: the first backend imports dynamo's backends (tens of MB of modules).
     built_under = RopeDedupBackend(inner=config.inner) if mode == "sharing" else None
+    rss_before_build = _current_rss()
     if built_under is not None:
         with sharing(backend=built_under):
             model, inputs, tables = build_inputs(config)

@@ -47,13 +47,6 @@ class _Group:
     members: dict[int, _Member] = field(default_factory=dict)  # id(tensor) -> member
     conflict_with: str | None = None  # name of a table with the same key but different content
 
-    def canonical(self) -> torch.Tensor | None:
-        for member in self.members.values():
-            tensor = member.ref()
-            if tensor is not None:
-                return tensor
-        return None
-
 
 class Action(enum.Enum):
     """What offering a tensor does: the value is the status the report and the passes' logs print."""
@@ -144,37 +137,38 @@ class CanonicalStore:
         elif plan.action is Action.NEW:
             self._new_group(tensor, plan.key, self._unique_name(name))
 
-    def _drop_dead(self) -> None:
-        """Forget members whose storage was freed or shrunk in place, or moved to meta, before anything reads
-        a canonical table: the next equal table becomes canonical, and the report names them as departed."""
-        for group in list(self._groups):
-            for ident, member in list(group.members.items()):
-                tensor = member.ref()
-                if tensor is not None and not readable(tensor):
-                    log.warning("rope_dedup: %s was freed or shrunk in place while shared: dropped from the store",
-                                member.name)
-                    self._forget(ident, member.ptr, departed=True)
+    def _live_canonical(self, group: _Group) -> torch.Tensor | None:
+        """The group's canonical table, checked before anything reads it: a member whose storage was freed or
+        shrunk in place, or moved to meta, is forgotten (counted as departed) and the next one stands in."""
+        for ident, member in list(group.members.items()):
+            tensor = member.ref()
+            if tensor is None:
+                continue
+            if readable(tensor):
+                return tensor
+            log.warning("rope_dedup: %s was freed or shrunk in place while shared: dropped from the store", member.name)
+            self._forget(ident, member.ptr, departed=True)
+        return None
 
     def _find_equal(self, tensor: torch.Tensor) -> _Group | None:
         """The group whose canonical table equals ``tensor`` exactly (same shape, stride, dtype, device)."""
         mine = local(tensor)
         if not readable(mine):
             return None
-        self._drop_dead()
-        for group in self._groups:
+        for group in list(self._groups):
             if group.shape != tuple(mine.shape) or group.stride != tuple(mine.stride()):
                 continue
             if group.key.dtype != mine.dtype or group.key.device != mine.device:
                 continue
             if group.placement != placement(tensor):
                 continue
-            canonical = group.canonical()
+            canonical = self._live_canonical(group)
             if canonical is not None and _may_equal(local(canonical), mine) and same_values(local(canonical), mine):
                 return group
         return None
 
     def _alias(self, tensor: torch.Tensor, group: _Group, name: str) -> None:
-        canonical, mine = local(group.canonical()), local(tensor)
+        canonical, mine = local(self._live_canonical(group)), local(tensor)
         # Memory this tensor held on its own before sharing: none if it already lived in the canonical storage.
         original = 0 if storage_ptr(canonical) == storage_ptr(mine) else storage_nbytes(mine)
         moved = storage_ptr(canonical) != storage_ptr(mine) or canonical.storage_offset() != mine.storage_offset()
@@ -277,10 +271,7 @@ class CanonicalStore:
         Lets a caller that removes duplicates instead of aliasing them (``dedup_exported``, dry runs)
         find the one tensor to keep."""
         group = self._group_of.get(id(tensor))
-        if group is None:
-            return None
-        self._drop_dead()
-        return group.canonical()
+        return None if group is None else self._live_canonical(group)
 
     def take_freed_cpu_bytes(self) -> int:
         """CPU bytes aliasing let go since the last call (an upper bound: a view elsewhere may keep one)."""
