@@ -367,6 +367,7 @@ def measure(config: ProfileConfig, mode: str) -> dict[str, Any]:
         "ideal_storages": ideal_count,
         "ideal_bytes": ideal_bytes,
         "buffer_bytes": toy.unique_storages(_state_tensors(model))[1],
+        "param_bytes": toy.unique_storages(list(model.parameters()))[1],
         "peak_rss_build": peaks.rss["build"],
         "rss_before_build": rss_before_build,
         "rss_after_share": rss_after_prepare if mode == "share" else None,
@@ -523,10 +524,11 @@ FIRST_CALL_GROWTH_FACTOR, FIRST_CALL_GROWTH_SLACK = 1.25, 16 << 20
 
 
 def build_growth(result: dict[str, Any]) -> int | None:
-    """How far building the model raised RSS above the process before it."""
+    """How far building the model raised RSS above the process before it, beyond its parameters (the same
+    in every mode, and what a small toy decoder's build is mostly made of once its tables are shared)."""
     if result.get("peak_rss_build") is None or result.get("rss_before_build") is None:
         return None
-    return max(0, result["peak_rss_build"] - result["rss_before_build"])
+    return max(0, result["peak_rss_build"] - result["rss_before_build"] - result.get("param_bytes", 0))
 
 
 def first_call_growth(result: dict[str, Any]) -> int | None:
@@ -545,7 +547,7 @@ TARGETS = (  # (summary key, label, limit, how it is judged)
     ("step_ratio", "step time rope_dedup / alone", 1.0, "<="),
     ("peak_rss_process_ratio", "peak RSS process rope_dedup / alone", 1.0, "<="),
     ("first_call_growth_vs_allowed", "first-call peak growth / (1.25 x alone + 16 MiB)", 1.0, "<="),
-    ("sharing_build_growth_vs_eager", "build peak growth in sharing() / plain build", 0.10, "<="),
+    ("sharing_build_growth_vs_eager", "build peak growth beyond parameters, sharing() / plain", 0.10, "<="),
     ("share_rss_freed_vs_tables_freed", "RSS freed by share() / table bytes freed", 0.70, ">="),
     ("share_seconds_per_gb", "share() seconds per GB of tables", 1.0, "<="),
 )
