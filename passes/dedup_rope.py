@@ -13,6 +13,7 @@ from rope_dedup.passes.find_mutations import find_mutations
 from rope_dedup.passes.pass_base import GraphPass, PassContext, RopePassResult, run_passes
 from rope_dedup.passes.redirect_to_canonical import redirect_to_canonical
 from rope_dedup.recognize import is_rope_table
+from rope_dedup.reload import guard_reload
 from rope_dedup.store import Action, CanonicalStore
 from rope_dedup.tensors import has_storage, local, memory_ptr, placement, storage_ptr
 
@@ -70,6 +71,8 @@ def _share_tables(gm: torch.fx.GraphModule, example_inputs: Sequence | None, con
         skipped = store.offer(candidate.tensor, *how).action is Action.SKIP
         if not skipped:
             kept.append(candidate)
+            if candidate.persistent and candidate.owner is not None and not store.dry_run:
+                guard_reload(candidate.owner, store)
         if candidate.input_index is not None and (not skipped or _worth_watching(candidate)):
             watched[candidate.input_index] = how
     if not context.redirect_inputs:

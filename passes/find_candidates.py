@@ -30,6 +30,7 @@ class Candidate:
     input_index: int | None  # position in example_inputs for placeholders, None for get_attr
     persistent: bool = False  # saved in a state_dict: a parameter, or a persistent buffer (or one whose
     # module was not found)
+    owner: torch.nn.Module | None = None  # the module holding it, where known: its load_state_dict is guarded
 
 
 def find_candidates(gm: torch.fx.GraphModule, example_inputs: Sequence | None = None) -> list[Candidate]:
@@ -65,11 +66,11 @@ def find_candidates(gm: torch.fx.GraphModule, example_inputs: Sequence | None = 
         # symbolic_trace up to torch 2.13 registers every buffer it copies as persistent (the GraphModule's
         # state_dict has it); rope_dedup.symbolic_trace keeps the model's own choice.
         persistent = in_state_dict(kind, attr not in owner._non_persistent_buffers_set)
-        candidates.append(Candidate(node, value, node.target, kind, None, persistent))
+        candidates.append(Candidate(node, value, node.target, kind, None, persistent, owner))
     return candidates
 
 
 def _from_origin(node: torch.fx.Node, value: torch.Tensor, origin: InputOrigin, index: int | None) -> Candidate:
     """A candidate whose owner dynamo recorded (its source): path, kind and persistence come from there."""
     kind = "parameter" if isinstance(value, torch.nn.Parameter) else origin.kind
-    return Candidate(node, value, origin.path, kind, index, in_state_dict(kind, origin.persistent))
+    return Candidate(node, value, origin.path, kind, index, in_state_dict(kind, origin.persistent), origin.owner)

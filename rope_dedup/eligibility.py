@@ -29,6 +29,8 @@ class SkipReason(enum.Enum):
     NOT_ROPE = "not RoPE-like: {detail}"
     ALIAS_FAILED = "could not alias its storage: {detail}"
     RELEASED = "released by rope_dedup.unshare: never shared again"
+    RELOADED = ("load_state_dict brought a value that differs from the table it shared: it got its own storage "
+                "first, so the checkpoint's value landed in it alone")
     FILLING = ("a cache filled in place on demand ({detail}): never shared without a graph to tell when it is "
                "written; compile, or share() once it is full")
     UNSEEN_ATTRIBUTE = ("plain tensor attribute: buffer registration hooks do not see it while the model is built; "

@@ -24,6 +24,7 @@ from torch.nn.modules.module import register_module_buffer_registration_hook
 from rope_dedup.backend import RopeDedupBackend, rope_dedup_backend
 from rope_dedup.eligibility import Refusal, SkipReason
 from rope_dedup.memory import release_if_freed
+from rope_dedup.reload import guard_reload
 from rope_dedup.report import DedupReport, Skip
 from rope_dedup.store import Action, CanonicalStore, Plan
 
@@ -45,9 +46,9 @@ def _store(backend: RopeDedupBackend | None, settings: dict[str, Any]) -> tuple[
     return backend, backend._store_for(config), config.release_memory
 
 
-def _state(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor, str, bool]]:
-    """(path, tensor, kind, saved in the state_dict) for every parameter, buffer and plain tensor attribute,
-    each tensor object once."""
+def _state(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor, str, bool, torch.nn.Module]]:
+    """(path, tensor, kind, saved in the state_dict, owning module) for every parameter, buffer and plain
+    tensor attribute, each tensor object once."""
     seen: set[int] = set()
     for prefix, module in model.named_modules(remove_duplicate=False):
         dot = f"{prefix}." if prefix else ""
@@ -58,7 +59,7 @@ def _state(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor, str, boo
         for name, tensor, kind, persistent in entries:
             if tensor is not None and id(tensor) not in seen:
                 seen.add(id(tensor))
-                yield dot + name, tensor, kind, persistent
+                yield dot + name, tensor, kind, persistent, module
 
 
 def _still_filling(plan: Plan) -> Refusal | None:
@@ -97,9 +98,11 @@ def share(*models: torch.nn.Module, backend: RopeDedupBackend | None = None, **s
     backend, store, release = _store(backend, settings)
     newly: list[str] = []
     for model in models:
-        for path, tensor, _, persistent in _state(model):
+        for path, tensor, _, persistent, module in _state(model):
             if _offer(store, tensor, path, persistent).action is Action.JOIN:
                 newly.append(path)
+            if persistent and not store.dry_run and store.member_name(tensor) is not None:
+                guard_reload(module, store)
     if release and not store.dry_run:
         release_if_freed(store)
     report = backend.report_for(models[0])
@@ -156,8 +159,11 @@ class sharing:  # noqa: N801 (used as a context manager, like torch.no_grad)
         label = f"{type(module).__name__}.{name}"
         known = name in module._buffers  # an assignment to an existing buffer: its persistence is set
         persistent = known and name not in module._non_persistent_buffers_set
-        if _offer(self.store, tensor, label, persistent).action in (Action.JOIN, Action.NEW) and not known:
-            self._pending.append((module, name, tensor))
+        if _offer(self.store, tensor, label, persistent).action in (Action.JOIN, Action.NEW):
+            if not known:
+                self._pending.append((module, name, tensor))
+            elif persistent and not self.store.dry_run:
+                guard_reload(module, self.store)
         return None  # the tensor itself now reads the canonical storage
 
     def _settle_persistence(self) -> None:
@@ -166,8 +172,12 @@ class sharing:  # noqa: N801 (used as a context manager, like torch.no_grad)
         for module, name, tensor in pending:
             if module._buffers.get(name) is not tensor:
                 continue
-            if name not in module._non_persistent_buffers_set and not self.store.share_persistent:
+            if name in module._non_persistent_buffers_set:
+                continue
+            if not self.store.share_persistent:
                 self.store.refuse(tensor, f"{type(module).__name__}.{name}", Refusal(SkipReason.PERSISTENT))
+            elif not self.store.dry_run:
+                guard_reload(module, self.store)
 
     @property
     def report(self) -> DedupReport:
@@ -179,6 +189,6 @@ class sharing:  # noqa: N801 (used as a context manager, like torch.no_grad)
         report = self.backend.report_for(model)
         shared = {m for g in report.groups for m in g.members}
         unseen = [Skip(path, SkipReason.UNSEEN_ATTRIBUTE.value, SkipReason.UNSEEN_ATTRIBUTE)
-                  for path, tensor, kind, _ in _state(model)
+                  for path, tensor, kind, _, _ in _state(model)
                   if kind == "attribute" and path not in shared and (tensor.is_floating_point() or tensor.is_complex())]
         return dataclasses.replace(report, skipped=report.skipped + unseen)

@@ -28,6 +28,7 @@ class InputOrigin:
     path: str
     kind: str
     persistent: bool | None = None
+    owner: Any = None  # the module object holding a buffer or parameter, where it could be reached
 
 
 def placeholder_origin(node: torch.fx.Node) -> InputOrigin:
@@ -59,9 +60,13 @@ def source_origin(source: Any, name: str) -> InputOrigin:
     if not attributes:  # a forward argument, possibly inside *args: an activation, not module state
         return InputOrigin(getattr(root, "local_name", None) or name, "input")
     if "_parameters" in attributes:
-        return InputOrigin(".".join(names), "parameter")
+        return InputOrigin(".".join(names), "parameter", owner=_owner(root, steps, "_parameters"))
     if "_buffers" in attributes:
-        return InputOrigin(".".join(names), "buffer", _buffer_persistent(root, steps))
+        owner = _owner(root, steps, "_buffers")
+        non_persistent = getattr(owner, "_non_persistent_buffers_set", None)
+        buffer = steps[steps.index(("attr", "_buffers")) + 1][1]  # _owner found a module: a name follows
+        persistent = None if non_persistent is None else buffer not in non_persistent
+        return InputOrigin(".".join(names), "buffer", persistent, owner)
     return InputOrigin(".".join(names), "attribute")
 
 
@@ -90,13 +95,14 @@ def _steps(source: Any) -> tuple[Any, list[tuple[str, Any]]]:
     return node, folded
 
 
-def _buffer_persistent(root: Any, steps: list[tuple[str, Any]]) -> bool | None:
-    """Whether the buffer the steps name is in its module's state_dict, from the module object itself.
+def _owner(root: Any, steps: list[tuple[str, Any]], container: str) -> Any:
+    """The module whose ``container`` (``_buffers``, ``_parameters``) holds the tensor the steps name, or None.
 
-    The module is reached by replaying the steps on the frame dynamo is compiling (its locals and
-    globals), which is the only place the owning module object can be found at compile time.
+    It tells whether a buffer is in its module's state_dict, and where to guard ``load_state_dict``. The
+    module is reached by replaying the steps on the frame dynamo is compiling (its locals and globals),
+    which is the only place the owning module object can be found at compile time.
     """
-    at = steps.index(("attr", "_buffers"))
+    at = steps.index(("attr", container))
     if at + 1 >= len(steps):
         return None
     try:
@@ -111,8 +117,7 @@ def _buffer_persistent(root: Any, steps: list[tuple[str, Any]]) -> bool | None:
             module = getattr(module, name) if how == "attr" else module[name]
     except Exception:  # no frame being compiled, or a source this replay does not know
         return None
-    non_persistent = getattr(module, "_non_persistent_buffers_set", None)
-    return None if non_persistent is None else steps[at + 1][1] not in non_persistent
+    return module if isinstance(module, torch.nn.Module) else None
 
 
 def declare_constant_source(gm: torch.fx.GraphModule, attribute: str) -> None:

@@ -240,6 +240,11 @@ class CanonicalStore:
             log.info("rope_dedup: %s has its own storage again", member.name)
         return True
 
+    def member_name(self, tensor: torch.Tensor) -> str | None:
+        """The name ``tensor`` was shared under, or None if it is not a member of a group."""
+        group = self._group_of.get(id(tensor))
+        return None if group is None else group.members[id(tensor)].name
+
     def refuse(self, tensor: torch.Tensor, name: str, refusal: Refusal) -> None:
         """Give a member its own storage back and skip it for ``refusal``: a rule that could only be checked
         after the tensor was shared (a buffer's persistence, set after torch's registration hook runs)."""

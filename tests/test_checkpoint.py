@@ -14,7 +14,7 @@ from safetensors.torch import load_model, save_file, save_model
 from torch.torch_version import TorchVersion
 
 import rope_dedup
-from rope_dedup import RopeDedupBackend, dedup_rope, unshare
+from rope_dedup import RopeDedupBackend, dedup_rope
 from rope_dedup.toy_decoder import TableRecipe, ToyDecoder, homogeneous, rope_tensors, unique_storages
 from rope_dedup.eligibility import SkipReason
 
@@ -171,23 +171,56 @@ def test_rope_dedup_symbolic_trace_keeps_persistent_buffers_persistent() -> None
     assert [g.members for g in result.report.groups] == [["b"]]
 
 
-def test_a_checkpoint_with_different_tables_needs_unshare_first() -> None:
-    """Shared tables stay correct only while a checkpoint keeps them equal: load_state_dict copies every
-    sharer's value into the one storage, and the last one wins. unshare() first, then load."""
-    other = ToyDecoder([TableRecipe(max_len=64), TableRecipe(max_len=64, theta=5e5)])
-    state = other.state_dict() | {n: t for n, t in rope_tensors(other)}
-    for trap in (True, False):
-        model = ToyDecoder([TableRecipe(max_len=64)] * 2)
-        for module in model.modules():
-            module._non_persistent_buffers_set.clear()
+def persistent_model() -> ToyDecoder:
+    model = ToyDecoder([TableRecipe(max_len=64)] * 2)
+    for module in model.modules():
+        module._non_persistent_buffers_set.clear()
+    return model
+
+
+def checkpoint(*thetas: float) -> dict[str, torch.Tensor]:
+    other = ToyDecoder([TableRecipe(max_len=64, theta=theta) for theta in thetas])
+    return other.state_dict() | {n: t.clone() for n, t in rope_tensors(other)}
+
+
+@pytest.mark.parametrize("how", ["compile", "share"])
+@pytest.mark.parametrize("strict", [True, False])
+def test_a_checkpoint_with_different_tables_unshares_them_first(how: str, strict: bool) -> None:
+    """load_state_dict copies every sharer's value in place: into one storage, the last one would win. A
+    pre-hook gives each differing member its own storage first, so each ends with exactly its value."""
+    state = checkpoint(1e4, 5e5)
+    model = persistent_model()
+    if how == "compile":
         _, backend = compiled(model, share_persistent=True)
-        assert storages(model) == 2
-        if not trap:
-            unshare(model, backend)
-        model.load_state_dict(state)
-        layer0 = model.layers[0].attention.rope.cos
-        assert torch.equal(layer0, state["layers.1.attention.rope.cos"]) == trap
-        assert torch.equal(layer0, state["layers.0.attention.rope.cos"]) != trap
+    else:
+        backend = RopeDedupBackend("eager", share_persistent=True)
+        rope_dedup.share(model, backend=backend)
+    assert storages(model) == 2
+    if not strict:
+        state = {k: v for k, v in state.items() if not k.endswith("sin")}  # missing keys: left as they are
+    model.load_state_dict(state, strict=strict)
+    for name, table in rope_tensors(model):
+        expected = state.get(name, table)
+        assert torch.equal(table, expected), name
+    reloaded = {s.path for s in backend.report_for(model).skipped if s.kind is SkipReason.RELOADED}
+    assert reloaded == {"layers.1.attention.rope.cos"} | ({"layers.1.attention.rope.sin"} if strict else set())
+    assert storages(model) == (4 if strict else 3)  # layer 0 kept the shared storage; layer 1 has its own
+
+
+def test_an_equal_checkpoint_loads_and_stays_shared() -> None:
+    model = persistent_model()
+    _, backend = compiled(model, share_persistent=True)
+    model.load_state_dict(checkpoint(1e4, 1e4))
+    assert storages(model) == 2 and not [s for s in backend.report.skipped if s.kind is SkipReason.RELOADED]
+
+
+def test_assign_puts_the_checkpoint_tensors_in_place_and_shares_nothing_by_accident() -> None:
+    state = checkpoint(1e4, 5e5)
+    model = persistent_model()
+    compiled(model, share_persistent=True)
+    model.load_state_dict(state, assign=True)
+    for name, table in rope_tensors(model):
+        assert table is state[name]
 
 
 class FrozenTables(torch.nn.Module):

@@ -1,0 +1,50 @@
+"""``load_state_dict`` into shared tables: a member whose incoming value differs is unshared before the copy.
+
+``load_state_dict`` copies each checkpoint tensor into the module's tensor in place, so tables that share
+one storage would all end up holding the last one written. With ``share_persistent=True`` the tables that
+are saved in a ``state_dict`` may be shared, so each owning module gets a ``load_state_dict`` pre-hook
+(torch's public ``register_load_state_dict_pre_hook``): before the copy, every shared tensor of that
+module whose incoming value differs gets its own storage back (same content), and the copy then lands in
+it alone; the report lists it as skipped for that reason. Equal values, the usual checkpoint, stay
+shared. With ``assign=True`` torch puts the checkpoint's tensors in place of the module's, so nothing is
+written into a shared storage and nothing needs unsharing; ``strict=False`` leaves missing keys alone.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+
+from rope_dedup.eligibility import Refusal, SkipReason
+from rope_dedup.store import CanonicalStore
+from rope_dedup.tensors import same_values
+
+# module -> the stores that already guard it (one hook per module and store).
+_guarded: weakref.WeakKeyDictionary[torch.nn.Module, weakref.WeakSet] = weakref.WeakKeyDictionary()
+
+
+def guard_reload(module: torch.nn.Module, store: CanonicalStore) -> None:
+    """Make ``module.load_state_dict`` unshare, before copying, each of its tensors shared through ``store``
+    whose incoming value differs. Idempotent per (module, store)."""
+    stores = _guarded.setdefault(module, weakref.WeakSet())
+    if store in stores:
+        return
+    stores.add(store)
+    store_ref = weakref.ref(store)
+
+    def before_load(module: torch.nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: dict,
+                    *_: Any) -> None:
+        store = store_ref()
+        if store is None or local_metadata.get("assign_to_params_buffers", False):
+            return
+        for name, tensor in [*module._buffers.items(), *module._parameters.items()]:
+            incoming = state_dict.get(prefix + name)
+            member = store.member_name(tensor) if tensor is not None else None
+            if member is None or not isinstance(incoming, torch.Tensor) or incoming.shape != tensor.shape:
+                continue
+            if not same_values(incoming.detach().to(device=tensor.device, dtype=tensor.dtype), tensor):
+                store.refuse(tensor, member, Refusal(SkipReason.RELOADED))
+
+    module.register_load_state_dict_pre_hook(before_load)
