@@ -23,7 +23,7 @@ from torch.nn.modules.module import register_module_buffer_registration_hook
 
 from rope_dedup.backend import RopeDedupBackend, rope_dedup_backend
 from rope_dedup.eligibility import Refusal, SkipReason
-from rope_dedup.memory import release_if_freed
+from rope_dedup.memory import TRIM_THRESHOLD_BYTES, release_if_freed
 from rope_dedup.reload import guard_reload
 from rope_dedup.report import DedupReport, Skip
 from rope_dedup.store import Action, CanonicalStore, Plan
@@ -159,7 +159,13 @@ class sharing:  # noqa: N801 (used as a context manager, like torch.no_grad)
         label = f"{type(module).__name__}.{name}"
         known = name in module._buffers  # an assignment to an existing buffer: its persistence is set
         persistent = known and name not in module._non_persistent_buffers_set
-        if _offer(self.store, tensor, label, persistent).action in (Action.JOIN, Action.NEW):
+        action = _offer(self.store, tensor, label, persistent).action
+        if action is Action.JOIN and self._release and not self.store.dry_run:
+            # Freed tables of a few MB stay in glibc's heap, and the build's next layers do not always reuse
+            # them: trim as interning does, once TRIM_THRESHOLD_BYTES more are freed, so the build's peak stays
+            # about one table per key.
+            release_if_freed(self.store, at_least=TRIM_THRESHOLD_BYTES)
+        if action in (Action.JOIN, Action.NEW):
             if not known:
                 self._pending.append((module, name, tensor))
             elif persistent and not self.store.dry_run:

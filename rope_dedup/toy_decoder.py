@@ -94,11 +94,17 @@ class Rope(nn.Module):
         freqs = inv_freq(spec, self.dim)
         angles = torch.outer(torch.arange(spec.max_len, dtype=torch.float32), freqs)
         mscale = yarn_mscale(spec)
-        cos, sin = angles.cos() * mscale, angles.sin() * mscale
+        # Each layout computes only what it stores, as model code does: the build's transient is one layer's.
+        def cos() -> torch.Tensor:
+            return angles.cos() * mscale
+
+        def sin() -> torch.Tensor:
+            return angles.sin() * mscale
+
         dtype, layout = spec.dtype, spec.layout
         if layout == "cos_sin":
-            self.register_buffer("cos", cos.to(dtype), persistent=False)
-            self.register_buffer("sin", sin.to(dtype), persistent=False)
+            self.register_buffer("cos", cos().to(dtype), persistent=False)
+            self.register_buffer("sin", sin().to(dtype), persistent=False)
         elif layout == "hf_halves":
             emb = torch.cat((angles, angles), dim=-1)
             self.register_buffer("cos_cached", (emb.cos() * mscale).to(dtype), persistent=False)
@@ -111,10 +117,10 @@ class Rope(nn.Module):
             self.register_buffer("freqs_cis", torch.polar(torch.full_like(angles, mscale), angles).to(complex_dtype),
                                  persistent=False)
         elif layout == "stacked":
-            self.register_buffer("cache", torch.stack([cos, sin], dim=-1).to(dtype), persistent=False)
+            self.register_buffer("cache", torch.stack([cos(), sin()], dim=-1).to(dtype), persistent=False)
         elif layout == "gptj":
             # GPT-J keeps a plain tensor attribute, not a buffer.
-            self.embed_positions = torch.cat([sin, cos], dim=-1).to(dtype)
+            self.embed_positions = torch.cat([sin(), cos()], dim=-1).to(dtype)
         elif layout == "inv_freq":
             self.register_buffer("inv_freq", freqs.to(dtype), persistent=False)
             self.register_buffer("original_inv_freq", freqs.clone().to(dtype), persistent=False)
