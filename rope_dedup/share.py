@@ -71,11 +71,12 @@ def _still_filling(plan: Plan) -> Refusal | None:
 
 
 def _offer(store: CanonicalStore, tensor: torch.Tensor, name: str, persistent: bool) -> Plan:
-    plan = store.decide(tensor, persistent=persistent)
-    refusal = _still_filling(plan)
-    if refusal is not None:
-        plan = Plan(Action.SKIP, refusal=refusal)
-    store.apply(plan, tensor, name)
+    with store.lock:
+        plan = store.decide(tensor, persistent=persistent)
+        refusal = _still_filling(plan)
+        if refusal is not None:
+            plan = Plan(Action.SKIP, refusal=refusal)
+        store.apply(plan, tensor, name)
     return plan
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import threading
 import weakref
 from dataclasses import dataclass, field
 
@@ -89,6 +90,11 @@ class CanonicalStore:
         # table for a new one of its own, and the report must say so rather than go quiet about it.
         self.departed: dict[str, tuple[int, RopeKey]] = {}
         self.freed_cpu_bytes = 0  # CPU storage let go by aliasing since the owner last took the count
+        # Deciding and applying happen under one lock: threads that run compiled models intern their inputs
+        # while others compile, and two threads offering equal tables unlocked could both found a group, or
+        # join one the other is giving up. The per-call pointer check (is_interned) reads a dict and takes
+        # no lock. Reentrant: a weak-reference callback may forget a member while this thread holds it.
+        self.lock = threading.RLock()
 
     # -- the hot path -------------------------------------------------------------------------------
     def is_interned(self, tensor: torch.Tensor) -> bool:
@@ -102,8 +108,9 @@ class CanonicalStore:
 
         ``kind`` (buffer, parameter, attribute, ...) is how the caller found it; the rules that decide
         read the tensor itself. Returns the plan that was applied."""
-        plan = self.decide(tensor, written, persistent)
-        self.apply(plan, tensor, name)
+        with self.lock:
+            plan = self.decide(tensor, written, persistent)
+            self.apply(plan, tensor, name)
         return plan
 
     def decide(self, tensor: torch.Tensor, written: str | None = None, persistent: bool = False) -> Plan:
@@ -228,17 +235,18 @@ class CanonicalStore:
         Used before a graph that writes a shared table runs (it may be shared again once only graphs that
         read it run), and by :func:`rope_dedup.unshare`. Returns whether the tensor was a member.
         """
-        if reason is not None:
-            self._excluded[tensor] = reason
-        group = self._group_of.get(id(tensor))
-        if group is None:
-            return False
-        member = group.members[id(tensor)]
-        self._forget(id(tensor), memory_ptr(tensor))
-        if any(m.ref() is not None for m in group.members.values()) and not self.dry_run:
-            _own_storage(local(tensor))
-            log.info("rope_dedup: %s has its own storage again", member.name)
-        return True
+        with self.lock:
+            if reason is not None:
+                self._excluded[tensor] = reason
+            group = self._group_of.get(id(tensor))
+            if group is None:
+                return False
+            member = group.members[id(tensor)]
+            self._forget(id(tensor), memory_ptr(tensor))
+            if any(m.ref() is not None for m in group.members.values()) and not self.dry_run:
+                _own_storage(local(tensor))
+                log.info("rope_dedup: %s has its own storage again", member.name)
+            return True
 
     def member_name(self, tensor: torch.Tensor) -> str | None:
         """The name ``tensor`` was shared under, or None if it is not a member of a group."""
@@ -248,8 +256,9 @@ class CanonicalStore:
     def refuse(self, tensor: torch.Tensor, name: str, refusal: Refusal) -> None:
         """Give a member its own storage back and skip it for ``refusal``: a rule that could only be checked
         after the tensor was shared (a buffer's persistence, set after torch's registration hook runs)."""
-        self.release(tensor)
-        self._skip(name, refusal, tensor)
+        with self.lock:
+            self.release(tensor)
+            self._skip(name, refusal, tensor)
 
     def _skip(self, name: str, refusal: Refusal, tensor: torch.Tensor) -> None:
         refs = self._skipped_refs.setdefault(name, [])
