@@ -226,3 +226,49 @@ def test_a_failure_midway_leaves_nothing_half_shared(k: int, monkeypatch) -> Non
     assert storages(model) == storages(reference) - (k - 1)
     with torch.no_grad():
         torch.testing.assert_close(model(TOKENS), reference(TOKENS), rtol=0, atol=0)
+
+
+MOVES = {
+    "double": lambda m: m.to(torch.float64),
+    "half": lambda m: m.half(),
+    "cpu": lambda m: m.cpu(),
+    "to_empty": lambda m: m.to_empty(device="cpu"),
+}
+
+
+@pytest.mark.parametrize("move", sorted(MOVES))
+def test_moves_after_share_keep_outputs_exact_and_share_again(move: str) -> None:
+    """``Module._apply`` gives every module its own copy again: outputs stay those of the unshared model moved
+    the same way, and a second share() brings the tables back to the ideal and says what it shared."""
+    model, reference = twins(local_global(4))
+    backend = RopeDedupBackend("eager")
+    share(model, backend=backend)
+    MOVES[move](model), MOVES[move](reference)
+    if move == "to_empty":  # init_weights: the same values into both
+        with torch.no_grad():
+            for (_, a), (_, b), (_, value) in zip(model.state_dict(keep_vars=True).items(),
+                                                  reference.state_dict(keep_vars=True).items(),
+                                                  ToyDecoder(local_global(4)).state_dict().items()):
+                a.copy_(value), b.copy_(value)
+            for (_, a), (_, b), (_, value) in zip(rope_tensors(model), rope_tensors(reference),
+                                                  rope_tensors(ToyDecoder(local_global(4)))):
+                a.copy_(value), b.copy_(value)
+    tokens = TOKENS
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens), reference(tokens), rtol=0, atol=0)
+        again = share(model, backend=backend)
+        torch.testing.assert_close(model(tokens), reference(tokens), rtol=0, atol=0)
+    assert storages(model) == distinct_tables(model) == 4
+    # 8 tables: 4 canonical, 4 joining; .cpu() of a CPU model keeps every tensor, so they stay shared
+    assert len(again.newly_shared) == (0 if move == "cpu" else 4)
+
+
+def test_a_model_moved_to_meta_departs_and_its_tables_are_skipped() -> None:
+    model = ToyDecoder(homogeneous(4)).eval()
+    backend = RopeDedupBackend("eager")
+    share(model, backend=backend)
+    model.to("meta")
+    report = share(model, backend=backend)
+    assert not report.groups and not report.newly_shared
+    assert {s.kind for s in report.skipped if "rope" in s.path} == {SkipReason.META}
+    assert {d.path for d in report.departed} == {name for name, _ in rope_tensors(model)}
