@@ -84,7 +84,7 @@ class CanonicalStore:
         self._ptr_count: dict[int, int] = {}  # data_ptr of live members -> how many
         self._excluded = WeakIdKeyDictionary()  # tensor -> Refusal: never share it again (unshare())
         self.skipped: dict[str, Refusal] = {}
-        self._skipped_refs: dict[str, list[weakref.ref]] = {}  # name -> tensors skipped under it
+        self._skipped_refs: dict[str, list[weakref.ref]] = {}  # name -> tensors skipped under it (see _skip)
         self._names: dict[str, int] = {}
         # Members freed while shared, by name without its "#n": a cache regrown in forward drops the shared
         # table for a new one of its own, and the report must say so rather than go quiet about it.
@@ -263,10 +263,11 @@ class CanonicalStore:
     def _skip(self, name: str, refusal: Refusal, tensor: torch.Tensor) -> None:
         refs = self._skipped_refs.setdefault(name, [])
         refs[:] = [r for r in refs if r() is not None]
-        # No weak reference to a parameter: torch.utils.swap_tensors refuses a tensor that has one, and
-        # Module._apply swaps parameters (to_empty under FSDP2, or with swap_module_params_on_conversion).
-        # A skipped parameter is then reported under the name it was offered with.
-        if not isinstance(tensor, torch.nn.Parameter) and not any(r() is tensor for r in refs):
+        # No weak reference to a trainable parameter: torch.utils.swap_tensors refuses a tensor that has one,
+        # and Module._apply swaps parameters (to_empty under FSDP2, or with swap_module_params_on_conversion).
+        # The report counts those skips without naming them; frozen ones (RoPE tables may be) are named.
+        trainable = isinstance(tensor, torch.nn.Parameter) and tensor.requires_grad
+        if not trainable and not any(r() is tensor for r in refs):
             refs.append(weakref.ref(tensor))
         if self.skipped.get(name) != refusal:
             log.log(logging.DEBUG if refusal.routine else logging.INFO, "rope_dedup: skipped %s: %s", name,
