@@ -71,8 +71,8 @@ def _share_tables(gm: torch.fx.GraphModule, example_inputs: Sequence | None, con
         skipped = store.offer(candidate.tensor, *how).action is Action.SKIP
         if not skipped:
             kept.append(candidate)
-            if candidate.persistent and candidate.owner is not None and not store.dry_run:
-                guard_reload(candidate.owner, store)
+            if candidate.persistent and candidate.owner is not None:
+                guard_reload(candidate.owner, store, candidate.tensor)
         if candidate.input_index is not None and (not skipped or _worth_watching(candidate)):
             watched[candidate.input_index] = how
     if not context.redirect_inputs:

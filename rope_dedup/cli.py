@@ -259,11 +259,12 @@ def _memory_table(ok: dict[str, dict], inner: str, cuda: bool):
     ideal = next(iter(ok.values()))
     table = _table(f"Memory (unique storages; compiled modes use {inner})",
                    ("mode", "RoPE tensors→storages", "RoPE bytes", "÷ ideal", "buffers", "build peak",
-                    "1st call +", "running peak", "process peak", *(("CUDA alloc", "CUDA max running") if cuda else ()), "max |Δ| vs eager"),
+                    "1st call +", "running peak", "process peak",
+                    *(("CUDA alloc", "CUDA max running") if cuda else ()), "max |Δ| vs eager"),
                    caption=f"ideal, each distinct table stored once: {ideal['ideal_storages']} storage(s), "
-                           f"{format_bytes(ideal['ideal_bytes'])}. Peaks are RSS. Build: while the model is built; 1st call +: how "
-                           f"far the first call (compile included) raised RSS above the built model; running: from "
-                           f"the end of the first call to the last step; process: the whole child.")
+                           f"{format_bytes(ideal['ideal_bytes'])}. Peaks are RSS. Build: while the model is built; "
+                           f"1st call +: how far the first call (compile included) raised RSS above the built model; "
+                           f"running: from the end of the first call to the last step; process: the whole child.")
     for mode, r in ok.items():
         table.add_row(prof.mode_label(mode, inner), f"{r['rope_tables']} → {r['rope_storages']}",
                       format_bytes(r["rope_bytes"]), f"{r['rope_bytes'] / r['ideal_bytes']:.2f}",

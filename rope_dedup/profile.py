@@ -513,7 +513,8 @@ def summarize(results: dict[str, dict]) -> dict[str, Any]:
         summary["sharing_build_growth_vs_eager"] = build_growth(built) / build_growth(eager)
     if shared and shared["rss_after_share"] is not None and shared["rope_bytes_before"] > shared["rope_bytes"]:
         freed = shared["rope_bytes_before"] - shared["rope_bytes"]
-        summary["share_rss_freed_vs_tables_freed"] = (shared["rss_before_first_call"] - shared["rss_after_share"]) / freed
+        rss_freed = shared["rss_before_first_call"] - shared["rss_after_share"]
+        summary["share_rss_freed_vs_tables_freed"] = rss_freed / freed
         summary["share_seconds_per_gb"] = shared["share_s"] / (shared["rope_bytes_before"] / 1e9)
     return summary
 

@@ -134,7 +134,8 @@ def _f64(values: torch.Tensor) -> torch.Tensor:
 
 def _abs_max(part: torch.Tensor) -> float:
     """``part.abs().max()`` a chunk at a time: a reduction over a strided view copies it whole first."""
-    return max(max(chunk.max().item(), -chunk.min().item()) for chunk in (part[rows] for rows in _row_chunks(part, part)))
+    chunks = (part[rows] for rows in _row_chunks(part, part))
+    return max(max(chunk.max().item(), -chunk.min().item()) for chunk in chunks)
 
 
 def _recognize(x: torch.Tensor, tensor: torch.Tensor) -> RopeTable | NotRope:

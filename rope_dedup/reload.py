@@ -25,9 +25,12 @@ from rope_dedup.tensors import same_values
 _guarded: weakref.WeakKeyDictionary[torch.nn.Module, weakref.WeakSet] = weakref.WeakKeyDictionary()
 
 
-def guard_reload(module: torch.nn.Module, store: CanonicalStore) -> None:
-    """Make ``module.load_state_dict`` unshare, before copying, each of its tensors shared through ``store``
-    whose incoming value differs. Idempotent per (module, store)."""
+def guard_reload(module: torch.nn.Module, store: CanonicalStore, tensor: torch.Tensor) -> None:
+    """If ``tensor`` (saved in ``module``'s state_dict) is shared through ``store``, make
+    ``module.load_state_dict`` unshare, before copying, each of its tensors shared there whose incoming value
+    differs. Idempotent per (module, store); nothing in a dry run, which shares nothing."""
+    if store.dry_run or store.member_name(tensor) is None:
+        return
     stores = _guarded.setdefault(module, weakref.WeakSet())
     if store in stores:
         return

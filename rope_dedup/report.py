@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping, Sequence
+from typing import Iterable, Iterator, Mapping, Sequence
 
 import torch
 
@@ -197,15 +197,25 @@ def format_table(rows: list[tuple[str, ...]]) -> list[str]:
     return ["  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
 
 
+def module_state(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor, str, bool, torch.nn.Module]]:
+    """(first full path, tensor, kind, saved in the state_dict, owning module) for every parameter, buffer
+    and plain tensor attribute of ``model``, each tensor object once."""
+    seen: set[int] = set()
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        dot = f"{prefix}." if prefix else ""
+        entries = [(name, t, "parameter", True) for name, t in module._parameters.items()]
+        entries += [(name, t, "buffer", name not in module._non_persistent_buffers_set)
+                    for name, t in module._buffers.items()]
+        entries += [(name, t, "attribute", False) for name, t in vars(module).items() if isinstance(t, torch.Tensor)]
+        for name, tensor, kind, persistent in entries:
+            if tensor is not None and id(tensor) not in seen:
+                seen.add(id(tensor))
+                yield dot + name, tensor, kind, persistent, module
+
+
 def module_tensors(model: torch.nn.Module) -> dict[int, tuple[str, torch.Tensor]]:
     """id(tensor) -> (first full path, tensor) for every parameter, buffer and plain tensor attribute."""
-    found: dict[int, tuple[str, torch.Tensor]] = {}
-    for prefix, module in model.named_modules(remove_duplicate=False):
-        attributes = {k: v for k, v in vars(module).items() if isinstance(v, torch.Tensor)}
-        for name, tensor in {**module._parameters, **module._buffers, **attributes}.items():
-            if tensor is not None:
-                found.setdefault(id(tensor), (f"{prefix}.{name}" if prefix else name, tensor))
-    return found
+    return {id(tensor): (path, tensor) for path, tensor, *_ in module_state(model)}
 
 
 def tensor_paths(model: torch.nn.Module) -> dict[int, str]:

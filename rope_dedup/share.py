@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from torch.nn.modules.module import register_module_buffer_registration_hook
@@ -25,7 +25,7 @@ from rope_dedup.backend import RopeDedupBackend, rope_dedup_backend
 from rope_dedup.eligibility import Refusal, SkipReason
 from rope_dedup.memory import TRIM_THRESHOLD_BYTES, release_if_freed
 from rope_dedup.reload import guard_reload
-from rope_dedup.report import DedupReport, Skip
+from rope_dedup.report import DedupReport, Skip, module_state
 from rope_dedup.store import Action, CanonicalStore, Plan
 
 _SETTINGS = ("share_persistent", "dry_run", "release_memory")
@@ -44,22 +44,6 @@ def _store(backend: RopeDedupBackend | None, settings: dict[str, Any]) -> tuple[
         raise TypeError(f"backend must be a RopeDedupBackend, got {type(backend).__name__}")
     config = dataclasses.replace(backend.config, **settings)
     return backend, backend._store_for(config), config.release_memory
-
-
-def _state(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor, str, bool, torch.nn.Module]]:
-    """(path, tensor, kind, saved in the state_dict, owning module) for every parameter, buffer and plain
-    tensor attribute, each tensor object once."""
-    seen: set[int] = set()
-    for prefix, module in model.named_modules(remove_duplicate=False):
-        dot = f"{prefix}." if prefix else ""
-        entries = [(name, t, "parameter", True) for name, t in module._parameters.items()]
-        entries += [(name, t, "buffer", name not in module._non_persistent_buffers_set)
-                    for name, t in module._buffers.items()]
-        entries += [(name, t, "attribute", False) for name, t in vars(module).items() if isinstance(t, torch.Tensor)]
-        for name, tensor, kind, persistent in entries:
-            if tensor is not None and id(tensor) not in seen:
-                seen.add(id(tensor))
-                yield dot + name, tensor, kind, persistent, module
 
 
 def _still_filling(plan: Plan) -> Refusal | None:
@@ -99,11 +83,11 @@ def share(*models: torch.nn.Module, backend: RopeDedupBackend | None = None, **s
     backend, store, release = _store(backend, settings)
     newly: list[str] = []
     for model in models:
-        for path, tensor, _, persistent, module in _state(model):
+        for path, tensor, _, persistent, module in module_state(model):
             if _offer(store, tensor, path, persistent).action is Action.JOIN:
                 newly.append(path)
-            if persistent and not store.dry_run and store.member_name(tensor) is not None:
-                guard_reload(module, store)
+            if persistent:
+                guard_reload(module, store, tensor)
     if release and not store.dry_run:
         release_if_freed(store)
     report = backend.report_for(models[0])
@@ -169,8 +153,8 @@ class sharing:  # noqa: N801 (used as a context manager, like torch.no_grad)
         if action in (Action.JOIN, Action.NEW):
             if not known:
                 self._pending.append((module, name, tensor))
-            elif persistent and not self.store.dry_run:
-                guard_reload(module, self.store)
+            elif persistent:
+                guard_reload(module, self.store, tensor)
         return None  # the tensor itself now reads the canonical storage
 
     def _settle_persistence(self) -> None:
@@ -183,8 +167,8 @@ class sharing:  # noqa: N801 (used as a context manager, like torch.no_grad)
                 continue
             if not self.store.share_persistent:
                 self.store.refuse(tensor, f"{type(module).__name__}.{name}", Refusal(SkipReason.PERSISTENT))
-            elif not self.store.dry_run:
-                guard_reload(module, self.store)
+            else:
+                guard_reload(module, self.store, tensor)
 
     @property
     def report(self) -> DedupReport:
@@ -196,6 +180,6 @@ class sharing:  # noqa: N801 (used as a context manager, like torch.no_grad)
         report = self.backend.report_for(model)
         shared = {m for g in report.groups for m in g.members}
         unseen = [Skip(path, SkipReason.UNSEEN_ATTRIBUTE.value, SkipReason.UNSEEN_ATTRIBUTE)
-                  for path, tensor, kind, _, _ in _state(model)
+                  for path, tensor, kind, _, _ in module_state(model)
                   if kind == "attribute" and path not in shared and (tensor.is_floating_point() or tensor.is_complex())]
         return dataclasses.replace(report, skipped=report.skipped + unseen)

@@ -63,9 +63,9 @@ def source_origin(source: Any, name: str) -> InputOrigin:
         return InputOrigin(".".join(names), "parameter", owner=_owner(root, steps, "_parameters"))
     if "_buffers" in attributes:
         owner = _owner(root, steps, "_buffers")
-        non_persistent = getattr(owner, "_non_persistent_buffers_set", None)
-        buffer = steps[steps.index(("attr", "_buffers")) + 1][1]  # _owner found a module: a name follows
-        persistent = None if non_persistent is None else buffer not in non_persistent
+        persistent = None
+        if owner is not None:  # then a buffer name follows "_buffers" in the steps
+            persistent = steps[steps.index(("attr", "_buffers")) + 1][1] not in owner._non_persistent_buffers_set
         return InputOrigin(".".join(names), "buffer", persistent, owner)
     return InputOrigin(".".join(names), "attribute")
 

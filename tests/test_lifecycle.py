@@ -18,6 +18,7 @@ from torch._dynamo.utils import counters
 from rope_dedup.toy_decoder import TableRecipe, ToyDecoder, homogeneous, local_global, rope_tensors, unique_storages
 
 from rope_dedup import RopeDedupBackend
+from rope_dedup.eligibility import SkipReason
 
 TOKENS = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
 SPECS = {"homogeneous": homogeneous(4, max_len=64), "local_global": local_global(6, every=3, max_len=64)}
@@ -96,7 +97,7 @@ def test_compiling_a_meta_model_skips_its_tables_with_the_reason() -> None:
     backend = RopeDedupBackend("eager")
     torch.compile(model, backend=backend)(TOKENS.to("meta"))
     reasons = {s.reason for s in backend.report.skipped if ".rope." in s.path}
-    assert reasons == {"meta tensor: no data to compare; share after the tables are initialized (to_empty, init_weights)"}
+    assert reasons == {SkipReason.META.value}
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="moving between devices needs a CUDA device")
