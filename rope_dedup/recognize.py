@@ -138,9 +138,23 @@ def _abs_max(part: torch.Tensor) -> float:
     return max(max(chunk.max().item(), -chunk.min().item()) for chunk in chunks)
 
 
+def _carried_dtype(x: torch.Tensor) -> torch.dtype:
+    """The precision ``x``'s values carry: bfloat16 or float16 when every value round-trips through it
+    exactly (a half-precision table upcast by ``model.double()`` or ``.float()``), else its dtype. A chunk at
+    a time, stopping at the first that does not round-trip: a table computed in float32 stops at once."""
+    real = torch.view_as_real(x) if x.is_complex() else x
+    if real.dtype not in (torch.float32, torch.float64) or real.dim() == 0:
+        return x.dtype
+    for half in (torch.bfloat16, torch.float16):
+        if all(torch.equal(real[rows], real[rows].to(half).to(real.dtype)) for rows in _row_chunks(real, real)):
+            return half
+    return x.dtype
+
+
 def _recognize(x: torch.Tensor, tensor: torch.Tensor) -> RopeTable | NotRope:
     """Recognition proper, on the squeezed values ``x`` of ``tensor`` (views, never copies)."""
-    eps, floor = _eps(tensor.dtype), _floor(tensor.dtype)
+    carried = _carried_dtype(x)
+    eps, floor = _eps(carried), _floor(carried)
     if x.is_complex():
         if x.dim() != 2:
             return NotRope(f"complex tensor of shape {tuple(tensor.shape)} is not (positions, freqs)")

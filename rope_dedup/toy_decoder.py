@@ -37,6 +37,7 @@ class TableRecipe:
     dtype: torch.dtype = torch.float32
     scaling: str | None = None
     factor: float = 4.0
+    persistent: bool = False  # saved in the state_dict: what a checkpoint reload writes into
 
     def __post_init__(self) -> None:
         known = LAYOUTS + COMPUTED_LAYOUTS + FILLED_LAYOUTS
@@ -102,41 +103,42 @@ class Rope(nn.Module):
             return angles.sin() * mscale
 
         dtype, layout = spec.dtype, spec.layout
+
+        def buffer(name: str, value: torch.Tensor) -> None:
+            self.register_buffer(name, value, persistent=spec.persistent)
+
         if layout == "cos_sin":
-            self.register_buffer("cos", cos().to(dtype), persistent=False)
-            self.register_buffer("sin", sin().to(dtype), persistent=False)
+            buffer("cos", cos().to(dtype))
+            buffer("sin", sin().to(dtype))
         elif layout == "hf_halves":
             emb = torch.cat((angles, angles), dim=-1)
-            self.register_buffer("cos_cached", (emb.cos() * mscale).to(dtype), persistent=False)
-            self.register_buffer("sin_cached", (emb.sin() * mscale).to(dtype), persistent=False)
+            buffer("cos_cached", (emb.cos() * mscale).to(dtype))
+            buffer("sin_cached", (emb.sin() * mscale).to(dtype))
         elif layout == "titan_cos_sin":
             emb = torch.cat((angles, angles), dim=-1)
-            self.register_buffer("rope_cache", torch.cat([emb.cos(), emb.sin()], -1).to(dtype), persistent=False)
+            buffer("rope_cache", torch.cat([emb.cos(), emb.sin()], -1).to(dtype))
         elif layout == "complex":
             complex_dtype = torch.complex32 if dtype in (torch.float16, torch.bfloat16) else torch.complex64
-            self.register_buffer("freqs_cis", torch.polar(torch.full_like(angles, mscale), angles).to(complex_dtype),
-                                 persistent=False)
+            buffer("freqs_cis", torch.polar(torch.full_like(angles, mscale), angles).to(complex_dtype))
         elif layout == "stacked":
-            self.register_buffer("cache", torch.stack([cos(), sin()], dim=-1).to(dtype), persistent=False)
+            buffer("cache", torch.stack([cos(), sin()], dim=-1).to(dtype))
         elif layout == "gptj":
             # GPT-J keeps a plain tensor attribute, not a buffer.
             self.embed_positions = torch.cat([sin(), cos()], dim=-1).to(dtype)
         elif layout == "inv_freq":
-            self.register_buffer("inv_freq", freqs.to(dtype), persistent=False)
-            self.register_buffer("original_inv_freq", freqs.clone().to(dtype), persistent=False)
+            buffer("inv_freq", freqs.to(dtype))
+            buffer("original_inv_freq", freqs.clone().to(dtype))
         elif layout == "lazy_cache":
             # rotary-embedding-torch: zeros at init, written in place during forward.
-            self.register_buffer("cached_freqs", torch.zeros(spec.max_len, self.dim // 2, dtype=dtype),
-                                 persistent=False)
-            self.register_buffer("freqs", freqs, persistent=False)
+            buffer("cached_freqs", torch.zeros(spec.max_len, self.dim // 2, dtype=dtype))
+            buffer("freqs", freqs)
         elif layout == "filled_cache":
-            self.register_buffer("filled_freqs", torch.zeros(spec.max_len, self.dim // 2, dtype=dtype),
-                                 persistent=False)
-            self.register_buffer("freqs", freqs, persistent=False)
+            buffer("filled_freqs", torch.zeros(spec.max_len, self.dim // 2, dtype=dtype))
+            buffer("freqs", freqs)
             self.filled = 0  # rows written so far: a Python int, so dynamo guards on it
         elif layout == "from_inv_freq":
             # HF's rotary embedding: a float32 inv_freq buffer, the table rebuilt from it on every call.
-            self.register_buffer("inv_freq", freqs, persistent=False)
+            buffer("inv_freq", freqs)
 
     def cos_sin(self, seq: int, dtype: torch.dtype, device: torch.device | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:

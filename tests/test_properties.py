@@ -6,14 +6,23 @@ on every call keep their own storage; caches filled by the first call and only r
 filled: the rest are zeros) are shared like any table; no extra graphs on repeated calls; every table
 the graphs read is shared or skipped with a reason. A third path shares without compiling
 (``rope_dedup.share`` after a forward): eager outputs bitwise equal to the unshared model, storages at the
-ideal of share()'s rules. ``ROPE_DEDUP_PROPERTY_EXAMPLES`` sets the number of examples over the three
-inner backends (default 100: 50 eager, 40 aot_eager, 10 inductor; the long run uses 500+), plus 3/10 of it
-for share().
+ideal of share()'s rules.
+
+Between calls, each sequence takes one or two lifecycle steps, done alike to the model with and without
+sharing (:data:`STEPS`): its tables freed in place while another model runs through the same backend,
+then refilled (sleep mode, SGLang #33575); ``to_empty`` and re-init, from CPU or from meta; ``to(float64)``;
+and ``load_state_dict`` of a checkpoint whose tables are equal or differ in one layer (tables are drawn
+persistent or not, and the backend shares persistent ones or not). The share() path calls share() again
+after each step, as a user would. ``ROPE_DEDUP_PROPERTY_EXAMPLES`` sets the number of examples over the
+three inner backends (default 100: 50 eager, 40 aot_eager, 10 inductor; the long run uses 500), plus 3/10
+of it for share().
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import replace
+from typing import Callable
 
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -28,6 +37,7 @@ from rope_dedup.tensors import same_values
 
 EXAMPLES = int(os.environ.get("ROPE_DEDUP_PROPERTY_EXAMPLES", "100"))
 SEQ = 8
+STEPS = ("free", "to_empty", "meta", "float64", "reload_equal", "reload_other")
 
 
 @st.composite
@@ -40,6 +50,7 @@ def rope_specs(draw) -> TableRecipe:
         dtype=draw(st.sampled_from([torch.float32, torch.bfloat16, torch.float16])),
         scaling=draw(st.sampled_from(SCALINGS)),
         factor=draw(st.sampled_from([4.0, 8.0])),
+        persistent=draw(st.booleans()),
     )
 
 
@@ -53,6 +64,8 @@ def decoders(draw, inner: str):
         "regional": draw(st.booleans()),
         "inner": inner,
         "seed": draw(st.integers(0, 2**16)),
+        "steps": draw(st.lists(st.sampled_from(STEPS), min_size=1, max_size=2)),
+        "share_persistent": draw(st.booleans()),
     }
 
 
@@ -60,8 +73,14 @@ def written(name: str) -> bool:
     return name.endswith("cached_freqs")
 
 
-def read_by_forward(name: str) -> bool:
-    return not name.endswith("original_inv_freq")
+def read_by_forward(name: str, model: torch.nn.Module, case) -> bool:
+    """Read by the graphs compiled last: not ``original_inv_freq``, and not a filled cache's ``freqs`` once
+    a move gave the model new tensors (only the forward that fills the cache reads them)."""
+    if name.endswith("original_inv_freq"):
+        return False
+    owner = model.get_submodule(name.rpartition(".")[0])
+    moved = any(step in ("to_empty", "meta", "float64") for step in case["steps"])
+    return not (moved and owner.spec.layout == "filled_cache" and name.endswith(".freqs"))
 
 
 def moving_frequencies(tensor: torch.Tensor) -> int:
@@ -76,29 +95,99 @@ def moving_frequencies(tensor: torch.Tensor) -> int:
     return len({tuple(column.tolist()) for column in moving.T})
 
 
-def keeps_every_promise(case) -> None:
-    tokens = [torch.randint(0, 64, (1, SEQ), generator=torch.Generator().manual_seed(i)) for i in range(2)]
+def tokens(i: int) -> torch.Tensor:
+    return torch.randint(0, 64, (1, SEQ), generator=torch.Generator().manual_seed(i))
 
+
+def sleep_and_wake(model: torch.nn.Module, meanwhile: Callable[[], None]) -> None:
+    """Sleep mode: every table's storage freed in place, ``meanwhile`` run, then each refilled as it was."""
+    saved = [(t, t.untyped_storage().nbytes(), t.detach().clone()) for _, t in rope_tensors(model)]
+    for t, _, _ in saved:
+        t.untyped_storage().resize_(0)
+    meanwhile()
+    with torch.no_grad():
+        for t, nbytes, _ in saved:
+            t.untyped_storage().resize_(nbytes)  # a storage shared by several tables: resized by the first
+        for t, _, value in saved:
+            t.copy_(value)
+
+
+def re_init(model: torch.nn.Module, via_meta: bool) -> None:
+    """``to_empty`` (from meta when ``via_meta``), then every parameter and buffer filled again as it was."""
+    state = {name: t.detach().clone() for name, t in [*model.named_parameters(), *model.named_buffers()]}
+    if via_meta:
+        model.to("meta")
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        for name, t in [*model.named_parameters(), *model.named_buffers()]:
+            t.copy_(state[name])
+
+
+def reload(model: torch.nn.Module, case, other_theta: bool) -> None:
+    """``load_state_dict`` of a fresh model's checkpoint, layer 0's theta tripled when ``other_theta``."""
+    specs = case["specs"]
+    if other_theta:
+        specs = [replace(specs[0], theta=specs[0].theta * 3), *specs[1:]]
+    checkpoint = build(specs, case["seed"], case["graph_break"]).state_dict()
+    # Regional compile puts ``_orig_mod`` in the compiled blocks' keys.
+    model.load_state_dict({k: checkpoint[k.replace("_orig_mod.", "")] for k in model.state_dict()})
+
+
+def run_sequence(case, model: torch.nn.Module, call: Callable, ready_other: Callable,
+                 after_step: Callable[[], None] = lambda: None) -> list[torch.Tensor]:
+    """Two calls, then one more after each of the case's steps, then the first call again. ``free`` runs
+    another model of the same recipes, readied by ``ready_other`` (compiled or shared), while ``model``
+    sleeps; its output joins the list."""
+    outputs = [call(tokens(0)), call(tokens(1))]
+    for i, step in enumerate(case["steps"], 2):
+        if step == "free":
+            other = build(case["specs"], case["seed"] + 1, case["graph_break"])
+            sleep_and_wake(model, lambda: outputs.append(ready_other(other)(tokens(0))))
+        elif step in ("to_empty", "meta"):
+            re_init(model, via_meta=step == "meta")
+        elif step == "float64":
+            model.double()  # not to(float64): that would drop a complex table's imaginary part
+        else:
+            reload(model, case, other_theta=step == "reload_other")
+        after_step()
+        outputs.append(call(tokens(i)))
+    outputs.append(call(tokens(0)))
+    return outputs
+
+
+def own_storage(case, model: torch.nn.Module) -> set[int]:
+    """ids of the tables that keep their own storage whatever their values: persistent ones unless the
+    backend shares those."""
+    if case["share_persistent"]:
+        return set()
+    saved = model.state_dict(keep_vars=True)
+    return {id(t) for name, t in rope_tensors(model) if name in saved}
+
+
+def keeps_every_promise(case) -> None:
     torch._dynamo.reset()
     counters.clear()
     plain_model = build(case["specs"], case["seed"], case["graph_break"])
     plain = compile_model(plain_model, case["inner"], case["regional"])
-    expected = [plain(t) for t in tokens]
+    expected = run_sequence(case, plain_model, plain,
+                            lambda other: compile_model(other, case["inner"], case["regional"]))
     plain_graphs = counters["stats"]["unique_graphs"]
     # From the model run without the pass: filled caches hold their content only after a forward.
-    ideal = ideal_storages(unwrap(plain_model), keeps_own=lambda t: moving_frequencies(t) < 2)
+    plain_model = unwrap(plain_model)
+    own = own_storage(case, plain_model)
+    ideal = ideal_storages(plain_model, keeps_own=lambda t: moving_frequencies(t) < 2 or id(t) in own)
 
     torch._dynamo.reset()
     counters.clear()
     model = build(case["specs"], case["seed"], case["graph_break"])
     fills = {name: t.clone() for name, t in rope_tensors(model) if written(name)}
-    backend = RopeDedupBackend(case["inner"])
+    backend = RopeDedupBackend(case["inner"], share_persistent=case["share_persistent"])
     compiled = compile_model(model, backend, case["regional"])
-    outputs = [compiled(t) for t in tokens]
-    outputs.append(compiled(tokens[0]))
+    outputs = run_sequence(case, model, compiled, lambda other: compile_model(other, backend, case["regional"]))
     model = unwrap(model)
 
-    for got, want in zip(outputs, expected + expected[:1]):
+    assert len(outputs) == len(expected)
+    for got, want in zip(outputs, expected):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
     assert counters["stats"]["unique_graphs"] == plain_graphs
     tables = rope_tensors(model)
@@ -113,10 +202,11 @@ def keeps_every_promise(case) -> None:
     shared = {m for g in report.groups for m in g.members}
     skipped = {s.path: s.reason for s in report.skipped}
     for name, _ in tables:
-        if read_by_forward(name):
+        if read_by_forward(name, model, case):
             assert name in shared or name in skipped, name
     assert all(reason for reason in skipped.values())
     assert not report.errors
+    assert not counters["rope_dedup"]["intern_errors"]  # logged and counted, never raised into forward
 
 
 def filled_on_demand(name: str) -> bool:
@@ -124,30 +214,39 @@ def filled_on_demand(name: str) -> bool:
 
 
 def share_keeps_every_promise(case) -> None:
-    """share() in eager: filled-on-demand caches (never full here: SEQ < max_len) and tables with fewer than
-    two moving frequencies keep their own storage; every other distinct table is stored once, including
-    ``original_inv_freq``, which no forward reads but share() sees."""
-    tokens = [torch.randint(0, 64, (1, SEQ), generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    """share() in eager, again after each step: filled-on-demand caches (never full here: SEQ < max_len),
+    tables with fewer than two moving frequencies and persistent ones it was not asked to share keep their
+    own storage; every other distinct table is stored once, including ``original_inv_freq``, which no
+    forward reads but share() sees."""
+    backend = RopeDedupBackend("eager")
+    settings = {"backend": backend, "share_persistent": case["share_persistent"]}
+
+    def shared(model: torch.nn.Module) -> torch.nn.Module:
+        share(model, **settings)
+        return model
+
     reference = build(case["specs"], case["seed"], case["graph_break"])
     model = build(case["specs"], case["seed"], case["graph_break"])
     with torch.no_grad():
-        expected = [reference(tokens[0])]
-        outputs = [model(tokens[0])]
-        report = share(model, backend=RopeDedupBackend("eager"))
-        expected.append(reference(tokens[1]))
-        outputs.append(model(tokens[1]))
+        expected = run_sequence(case, reference, reference, lambda other: other)
+        model(tokens(0))
+        share(model, **settings)
+        outputs = run_sequence(case, model, model, shared, after_step=lambda: share(model, **settings))
+    assert len(outputs) == len(expected)
     for got, want in zip(outputs, expected):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
     own, distinct = 0, []
+    keeps_own = own_storage(case, reference)
     for name, t in rope_tensors(reference):
-        if filled_on_demand(name) or moving_frequencies(t) < 2:
+        if filled_on_demand(name) or moving_frequencies(t) < 2 or id(t) in keeps_own:
             own += 1
         elif not any(u.dtype == t.dtype and u.shape == t.shape and same_values(u, t) for u in distinct):
             distinct.append(t)
     assert len({t.untyped_storage().data_ptr() for _, t in rope_tensors(model)}) == own + len(distinct)
-    shared = {m for g in report.groups for m in g.members}
+    report = share(model, **settings)
+    shared_paths = {m for g in report.groups for m in g.members}
     skipped = {s.path for s in report.skipped}
-    assert all(name in shared or name in skipped for name, _ in rope_tensors(model))
+    assert all(name in shared_paths or name in skipped for name, _ in rope_tensors(model))
     assert not report.errors
 
 

@@ -575,3 +575,15 @@ def test_property_rope_tables_are_recognized_and_noise_is_not(theta: float, dim:
 def test_a_scalar_is_not_a_table_and_recognition_does_not_fail_on_it(shape: tuple[int, ...]) -> None:
     """RecurrentGemma holds scalar buffers: squeezed, they have no rows to scan."""
     assert isinstance(recognize_rope_table(torch.full(shape, 3.0)), NotRope)
+
+
+@pytest.mark.parametrize("layout", ["cos_sin", "complex", "inv_freq"])
+@pytest.mark.parametrize("half", [torch.bfloat16, torch.float16])
+def test_a_half_precision_table_upcast_is_judged_at_the_precision_it_carries(half: torch.dtype, layout: str) -> None:
+    """``model.double()`` after a bf16 build: the values still carry bf16's rounding, not float32's."""
+    _, table = toy.rope_tensors(toy.ToyDecoder(toy.homogeneous(1, layout=layout, dtype=half, theta=5e5)))[0]
+    wider = torch.complex128 if table.is_complex() else torch.float64
+    for dtype in (wider, torch.complex64 if table.is_complex() else torch.float32):
+        upcast = table.to(dtype)
+        assert isinstance(recognize_rope_table(upcast), RopeTable), dtype
+        assert infer_key(recognize_rope_table(upcast), upcast).theta == pytest.approx(5e5, rel=0.02)
