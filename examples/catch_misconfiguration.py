@@ -4,12 +4,16 @@
     rope-dedup audit examples/catch_misconfiguration.py:theta_ignored --expect theta=5e5
     rope-dedup audit examples/catch_misconfiguration.py:llama3_dropped --expect config   # exit 1
     rope-dedup audit examples/catch_misconfiguration.py:llama3_correct --expect config   # exit 0
+    rope-dedup audit examples/catch_misconfiguration.py:rope_unfilled_after_to_empty --static  # exit 1
+    rope-dedup audit examples/catch_misconfiguration.py:theta_lost_in_rope_parameters --static --expect config
 
 Each factory builds a tiny random-init model (nothing is downloaded) that carries the bug; called with
 ``fixed=True`` it builds the same model without it. None of these bugs raises an error: the model runs,
 only its output is quietly worse, mostly at long positions. ``rope_dedup.explain(model, *inputs,
 expect=...)`` compares the cos/sin each attention layer applies with what was asked for, and names the
-layer and the field. :data:`CASES` lists each factory with its expectation and the field it must flag.
+layer and the field. The last two bugs are there before any forward: their factories return the model
+alone, and ``rope_dedup.explain(model, expect=...)`` audits the tables it holds, statically, right
+after init. :data:`CASES` lists each factory with its expectation and the field it must flag.
 """
 
 from __future__ import annotations
@@ -180,7 +184,53 @@ def inv_freq_in_bf16(fixed: bool = False):
     if fixed:  # keep the frequencies in float32, as the rotary embedding computed them
         rotary = model.model.rotary_emb
         rotary.inv_freq = rotary.compute_default_rope_parameters(config)[0]
+        rotary.original_inv_freq = rotary.inv_freq.clone()  # what dynamic scaling resets to
     return model, _inputs(1024)
+
+
+# -- before any forward: the static audit ------------------------------------------------------------------
+
+def rope_unfilled_after_to_empty(fixed: bool = False) -> nn.Module:
+    """Built on meta, ``to_empty`` on CPU, then an init loop that knows weights but not the RoPE buffers:
+    they keep whatever memory ``to_empty`` handed out (torchtitan #4783, where transformers 5 made the
+    re-init a no-op). Deterministic algorithms fill that memory with NaN here, so the example does not
+    depend on what the allocator had; in a real run it is zeros or leftovers, flagged the same way.
+    The fix calls transformers' own ``init_weights``, which recomputes ``inv_freq``."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(_tiny(LlamaConfig))
+    torch.use_deterministic_algorithms(True)  # and fill_uninitialized_memory, on by default: empty is NaN
+    try:
+        model.to_empty(device="cpu")
+    finally:
+        torch.use_deterministic_algorithms(False)
+    if fixed:
+        model.init_weights()
+    else:
+        with torch.no_grad():
+            for module in model.modules():
+                if isinstance(module, (nn.Linear, nn.Embedding)):
+                    nn.init.normal_(module.weight, std=0.02)
+                elif hasattr(module, "weight") and module.weight is not None and module.weight.dim() == 1:
+                    nn.init.ones_(module.weight)  # the norms
+    return model.eval()
+
+
+def theta_lost_in_rope_parameters(fixed: bool = False) -> nn.Module:
+    """Model code written for transformers 4 reads ``getattr(config, "rope_theta", 1e4)``; transformers 5
+    moved theta into ``config.rope_parameters``, so the attribute is gone and every layer silently gets the
+    default (DeepSpeed #8341, SpecForge #702). The fix reads ``rope_parameters``."""
+    from transformers import LlamaConfig
+
+    config = _tiny(LlamaConfig, hidden_size=32, num_attention_heads=2,
+                   rope_parameters={"rope_type": "default", "rope_theta": 5e5})
+    theta = config.rope_parameters["rope_theta"] if fixed else getattr(config, "rope_theta", 1e4)
+    torch.manual_seed(0)
+    model = TinyDecoder(rope_theta=theta)
+    model.config = config
+    return model.eval()
 
 
 def llama3_correct():
@@ -203,17 +253,23 @@ CASES: dict[str, tuple[Factory, Any, list[tuple[str, str]]]] = {
                                     [("model.layers.0", "theta"), ("model.layers.1", "theta")]),
     "inv_freq_in_bf16": (inv_freq_in_bf16, "config",
                          [("model.layers.0", "frequency dtype"), ("model.layers.1", "frequency dtype")]),
+    # Static: the factory returns the model alone.
+    "rope_unfilled_after_to_empty": (rope_unfilled_after_to_empty, "config",
+                                     [("model.rotary_emb", "content"), ("model.rotary_emb", "content")]),
+    "theta_lost_in_rope_parameters": (theta_lost_in_rope_parameters, "config",
+                                      [("layers.0", "theta"), ("layers.1", "theta")]),
 }
 
 
 def main() -> None:
     for name, (factory, expect, _) in CASES.items():
         for fixed in (False, True):
-            model, inputs = factory(fixed=fixed)
+            built = factory(fixed=fixed)
+            model, inputs = built if isinstance(built, tuple) else (built, ())  # no inputs: no forward
             explanation = rope_dedup.explain(model, *inputs, expect=expect)
             label = f"{name} ({'fixed' if fixed else 'bug'})"
             if not explanation.mismatches:
-                print(f"{label}: every layer applies the expected RoPE")
+                print(f"{label}: every {'table holds' if explanation.static else 'layer applies'} the expected RoPE")
             for m in explanation.mismatches:
                 print(f"{label}: {m.layer}: {m.field}: expected {m.expected}, found {m.found}")
 

@@ -19,7 +19,7 @@ from typing import Any, NoReturn, Sequence
 import torch
 
 from rope_dedup import profile as prof
-from rope_dedup.factories import FactoryError, load_factory, model_and_inputs
+from rope_dedup.factories import FactoryError, NoInputs, load_factory, model_and_inputs, model_of
 from rope_dedup.report import format_bytes
 
 USAGE_ERROR, RUN_ERROR = 2, 1
@@ -96,8 +96,13 @@ def _parser() -> argparse.ArgumentParser:
         "audit", help="dry run: the RoPE tables each layer holds, which would share, what is skipped and why",
         description="Import MODULE (a dotted name, or a path to a .py file), call FACTORY() for "
                     "(model, example_inputs), run one forward through a dry-run rope_dedup backend and print "
-                    "per layer the tables found, their inferred keys, the share groups and every skip.")
+                    "per layer the tables found, their inferred keys, the share groups and every skip. With "
+                    "--static, no forward: the tables the model holds are measured, and RoPE slots left "
+                    "unfilled (zeros, NaN) are mismatches; FACTORY() may then return the model alone.")
     a.add_argument("factory", metavar="MODULE:FACTORY", help="e.g. examples/audit.py:build or my_pkg.models:build")
+    a.add_argument("--static", action="store_true",
+                   help="audit the tables the model holds without running it (right after init); exit 1 if a "
+                        "table differs from --expect or a RoPE slot holds no table")
     a.add_argument("--expect", metavar="SPEC",
                    help="what every layer should apply: 'config' (the model's transformers config) or "
                         "theta=5e5[,dim=64][,scaling=TYPE:PARAMS][,attention_factor=1.2], scaling one of "
@@ -328,7 +333,13 @@ def _audit(args: argparse.Namespace, console) -> int:
         print(f"rope-dedup audit: error: {args.factory}() raised {prof.describe_error(error)[0]}", file=sys.stderr)
         return RUN_ERROR
     with _bad_factory():
-        model, inputs = model_and_inputs(built, args.factory)
+        if args.static:
+            model, inputs = model_of(built, args.factory), ()
+        else:
+            try:
+                model, inputs = model_and_inputs(built, args.factory)
+            except NoInputs as error:
+                raise BadInput(f"{error}, or add --static to audit its tables without a forward") from None
     try:
         explanation = explain(model, *inputs, expect=expect)
     except SpecError as error:  # --expect config on a model whose config lacks a field
@@ -371,7 +382,8 @@ def _print_explanation(explanation, console) -> None:
         if _marks_a_row(applied):
             caption = ("* differs from the expectation (mismatches below)" if explanation.judged
                        else "* differs from most layers")
-        table = Table(title="tables each layer applies", title_justify="left", caption=caption)
+        title = "what each held table encodes" if explanation.static else "tables each layer applies"
+        table = Table(title=title, title_justify="left", caption=caption)
         for column in explanation.applied_columns():  # long sources and specs fold rather than end in "…"
             table.add_column(column, overflow="fold")
         _add_rows(table, applied)
@@ -379,13 +391,14 @@ def _print_explanation(explanation, console) -> None:
     for line in explanation.notes():
         console.print(line, style="bold yellow" if line.startswith("* ") else None, markup=False, highlight=False)
     if explanation.mismatches:
-        table = Table(*MISMATCH_COLUMNS, title=f"{len(explanation.mismatches)} mismatch(es) with the expectation",
-                      title_justify="left", title_style="bold red")
+        title = f"{len(explanation.mismatches)} mismatch(es)" + (" with the expectation" if explanation.judged else "")
+        table = Table(*MISMATCH_COLUMNS, title=title, title_justify="left", title_style="bold red")
         for mismatch in explanation.mismatches:
             table.add_row(*mismatch.cells(), style="red")
         console.print(table)
     elif explanation.judged:
-        console.print("every layer applies the expected RoPE", style="green", highlight=False)
+        console.print("every table holds the expected RoPE" if explanation.static
+                      else "every layer applies the expected RoPE", style="green", highlight=False)
 
 
 def _marks_a_row(rows: list[tuple[bool, tuple[str, ...]]]) -> bool:

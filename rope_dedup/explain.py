@@ -1,10 +1,13 @@
 """The RoPE audit: what each layer's tables encode, which would share, and what was left alone and why.
 
-:func:`explain` compiles the model once with a dry-run backend (nothing is aliased or rewritten), runs
-the graphs once through :class:`~rope_dedup.applied.TableCapture` to see the tables each attention layer
-actually applies (its own, passed down from model level, or computed in forward), and arranges both by
-layer: a user sees at a glance that layer 5 uses theta 1e6 while the others use 1e4. Told what was
-intended (``expect=``), it judges every layer against that, by value, and names what differs.
+Without example inputs, :func:`explain` is static: it measures the tables the model holds
+(:mod:`rope_dedup.held`) and asks a dry-run :func:`~rope_dedup.share` what would share; no forward runs,
+so it fits right after ``init_weights``. With inputs, it compiles the model once with a dry-run backend
+(nothing is aliased or rewritten) and runs the graphs once through
+:class:`~rope_dedup.applied.TableCapture` to see the tables each attention layer actually applies (its
+own, passed down from model level, or computed in forward). Both arrange what they found by layer: a user
+sees at a glance that layer 5 uses theta 1e6 while the others use 1e4. Told what was intended
+(``expect=``), the audit judges every table against that, by value, and names what differs.
 """
 
 from __future__ import annotations
@@ -20,15 +23,19 @@ import torch
 from rope_dedup.applied import AppliedTable, TableCapture, layer_of
 from rope_dedup.backend import RopeDedupBackend
 from rope_dedup.check import MISMATCH_COLUMNS, Mismatch, RopeMismatch, check_table
+from rope_dedup.held import EmptySlot, held_tables
 from rope_dedup.keys import RopeKey
 from rope_dedup.report import DedupReport, Skip, format_bytes, format_table, tensor_paths
-from rope_dedup.spec import Expectation, RopeSpec, expectation_for
+from rope_dedup.share import share
+from rope_dedup.spec import Expectation, RopeSpec, config_conflicts, expectation_for
 
 log = logging.getLogger("rope_dedup")
 
 _KEY_FIELDS = tuple(f.name for f in fields(RopeKey))
 COLUMNS = ("layer", "table", "group", *_KEY_FIELDS)
 APPLIED_COLUMNS = ("layer", "applies", "from", "theta", "dim", "scaling", "amplitude", "dtype", "positions")
+# The static audit judges the tables held, not applied: the same columns, named for what they show.
+HELD_COLUMNS = ("layer", "holds", "path", *APPLIED_COLUMNS[3:])
 EXPECTED_COLUMNS = ("expected", "status")
 
 
@@ -44,14 +51,17 @@ class TableRow:
 
 @dataclass(frozen=True)
 class LayerRow:
-    """A layer's own tables, the tables it applies, what was expected of it, and how its keys differ from
-    the majority of layers (empty when they don't, when layers follow a pattern, or with an expectation)."""
+    """A layer's own tables, the tables it applies (held, in a static audit), what was expected of it, and
+    how its keys differ from the majority of layers (empty when they don't, when layers follow a pattern,
+    or with an expectation)."""
 
     layer: str
     tables: tuple[TableRow, ...]
     differs: tuple[str, ...]
     applied: tuple[AppliedTable, ...] = ()
     expected: RopeSpec | None = None  # None: no expectation, or none for this layer
+    judged_as: tuple[RopeSpec | None, ...] = ()  # per applied table: its expectation (Gemma 3's model-level
+    # rotary embedding holds a table per layer type, each judged by its own)
 
     @property
     def odd(self) -> bool:
@@ -71,6 +81,7 @@ class Explanation:
     mismatches: tuple[Mismatch, ...] = ()  # with an expectation: every way a layer differs from it
     pattern: str | None = None  # without one: a regular mix of tables (every k-th layer), described
     judged: bool = False  # whether an expectation was given
+    static: bool = False  # no forward ran: ``applied`` holds the tables the model holds
 
     @property
     def odd_layers(self) -> list[LayerRow]:
@@ -89,18 +100,22 @@ class Explanation:
     def headline(self) -> str:
         tables = sum(len(row.tables) for row in self.layers)
         applying = sum(1 for row in self.layers if row.applied)
+        audit = "RoPE audit (static: no forward ran)" if self.static else "RoPE audit"
         if not tables and not applying:
-            return "RoPE audit: no RoPE table found (none held by the model, none applied in its forward)"
+            where = "none held by the model" + ("" if self.static else ", none applied in its forward")
+            line = f"{audit}: no RoPE table found ({where})"
+            return line + (f"; {len(self.mismatches)} mismatch(es)" if self.mismatches else "")
         before, after = format_bytes(self.report.bytes_before), format_bytes(self.report.bytes_after)
-        line = (f"RoPE audit: {tables} table(s) in {len(self.layers)} layer(s), {len(self.groups)} distinct; "
-                f"sharing would take {before} -> {after}; {applying} layer(s) apply RoPE")
-        if self.judged:
-            line += f"; {len(self.mismatches)} mismatch(es) with the expectation"
+        line = (f"{audit}: {tables} table(s) in {len(self.layers)} layer(s), {len(self.groups)} distinct; "
+                f"sharing would take {before} -> {after}; {applying} layer(s) "
+                + ("hold RoPE" if self.static else "apply RoPE"))
+        if self.judged or self.mismatches:
+            line += f"; {len(self.mismatches)} mismatch(es)" + (" with the expectation" if self.judged else "")
         return line
 
     def applied_columns(self) -> tuple[str, ...]:
         """Columns of :meth:`applied_rows`."""
-        return APPLIED_COLUMNS + (EXPECTED_COLUMNS if self.judged else ())
+        return (HELD_COLUMNS if self.static else APPLIED_COLUMNS) + (EXPECTED_COLUMNS if self.judged else ())
 
     def applied_rows(self) -> list[tuple[bool, tuple[str, ...]]]:
         """(layer mismatches or differs, cells under :meth:`applied_columns`) per applied table."""
@@ -109,13 +124,17 @@ class Explanation:
         for row in self.layers:
             for i, table in enumerate(row.applied):
                 bad = row.layer in wrong or row.odd
-                cells = [(row.layer + (" *" if bad else "")) if i == 0 else "", table.kinds, table.source,
+                # Held tables show their layout (inv_freq, cos|sin, complex); applied ones what reached the multiply.
+                what = table.table.layout if self.static else table.kinds
+                dtype = _cell("dtype", table.angle_dtype) if self.static and table.angle_dtype else _dtypes(table)
+                cells = [(row.layer + (" *" if bad else "")) if i == 0 else "", what, table.source,
                          _cell("theta", table.key.theta), str(table.key.dim), table.key.scaling or "-",
-                         f"{table.table.amplitude:.4g}", _dtypes(table), table.span]
+                         f"{table.table.amplitude:.4g}", dtype, table.span]
                 if self.judged:
+                    spec = row.judged_as[i] if i < len(row.judged_as) else row.expected
                     status = f"MISMATCH: {wrong[row.layer]}" if row.layer in wrong else (
-                        "ok" if row.expected is not None else "not judged")
-                    cells += [str(row.expected) if row.expected is not None else "-", status]
+                        "ok" if spec is not None else "not judged")
+                    cells += [str(spec) if spec is not None else "-", status]
                 rows.append((bad, tuple(cells)))
         return rows
 
@@ -158,37 +177,54 @@ class Explanation:
         if owned:
             lines += ["tables each layer holds:", *format_table([COLUMNS] + owned)]
         if applied:
-            lines += ["tables each layer applies:", *format_table([self.applied_columns()] + applied)]
+            title = "what each held table encodes:" if self.static else "tables each layer applies:"
+            lines += [title, *format_table([self.applied_columns()] + applied)]
         lines += self.notes()
         if self.mismatches:
-            lines += [f"{len(self.mismatches)} mismatch(es) with the expectation:",
+            lines += [f"{len(self.mismatches)} mismatch(es)" + (" with the expectation:" if self.judged else ":"),
                       *format_table([MISMATCH_COLUMNS] + [m.cells() for m in self.mismatches])]
         return "\n".join(lines)
 
 
 def explain(model: torch.nn.Module, *example_inputs: Any, expect: Expectation | None = None,
             **example_kwargs: Any) -> Explanation:
-    """Audit ``model``'s RoPE tables with one dry-run forward: shares nothing, rewrites nothing.
+    """Audit ``model``'s RoPE tables: shares nothing, rewrites nothing.
 
-    The forward runs once under ``torch.no_grad()`` through ``torch.compile`` with a dry-run
-    :class:`RopeDedupBackend` (inner ``eager``), so what the audit sees is what the pass would see; the
-    graphs run through an interpreter that records the tables each layer applies. ``expect`` (a
-    :class:`~rope_dedup.RopeSpec`, a mapping from layer-name pattern to one, a callable ``layer -> RopeSpec
-    | None`` or ``"config"``) is what every layer should apply: ``.mismatches`` lists what differs.
+    With no example inputs the audit is static and no forward runs: every buffer and plain tensor attribute
+    holding a RoPE table (``inv_freq`` included) is measured, and slots that should hold one but hold
+    zeros, NaN or garbage are mismatches (:mod:`rope_dedup.held` states the rule). It is the line to put
+    right after a model is built and initialized. With example inputs, the forward runs once under
+    ``torch.no_grad()`` through ``torch.compile`` with a dry-run :class:`RopeDedupBackend` (inner
+    ``eager``), so what the audit sees is what the pass would see; the graphs run through an interpreter
+    that records the tables each layer applies.
+
+    ``expect`` (a :class:`~rope_dedup.RopeSpec`, a mapping from layer-name pattern to one, a callable
+    ``layer -> RopeSpec | None`` or ``"config"``) is what every table should encode: ``.mismatches`` lists
+    what differs. ``"config"`` reads transformers 5's ``rope_parameters`` or 4.x's ``rope_theta`` /
+    ``rope_scaling``; a 5.x config that also carries a legacy field with another value is a mismatch of its
+    own (field ``config``).
     """
     judge = expectation_for(expect, model) if expect is not None else None  # bad input fails before the run
-    backend = RopeDedupBackend(inner="eager", dry_run=True)
-    capture = TableCapture(backend, model)
-    with torch.no_grad():
-        caller = _fresh_caller(model, len(example_inputs), list(example_kwargs))
-        torch.compile(caller, backend=capture)(*example_inputs, **example_kwargs)
-    if backend.graphs_compiled == 0:
-        raise RuntimeError("torch.compile traced no graph of this model (it ran eagerly), so there is nothing "
-                           "to audit; TORCH_LOGS=graph_breaks,recompiles shows why")
-    explanation = _arrange(backend.report_for(model), model, capture.tables(), judge)
-    log.info("rope_dedup: audit: %d layer(s), %d distinct table(s), %d layer(s) differ from the majority, "
-             "%d mismatch(es) with the expectation", len(explanation.layers), len(explanation.groups),
-             len(explanation.odd_layers), len(explanation.mismatches))
+    findings = [Mismatch("(config)", "config", f"rope_parameters: {c.read}",
+                         f"{c.name}={c.ignored} (a legacy field: transformers 5 ignores it)", None)
+                for c in config_conflicts(model)] if isinstance(expect, str) else []
+    if not example_inputs and not example_kwargs:
+        tables, empty = held_tables(model, (lambda layer, path: judge(layer) or judge(path)) if judge else None)
+        report = share(model, backend=RopeDedupBackend(inner="eager", dry_run=True))
+        explanation = _arrange(report, model, tables, judge, static=True, empty=empty, findings=findings)
+    else:
+        backend = RopeDedupBackend(inner="eager", dry_run=True)
+        capture = TableCapture(backend, model)
+        with torch.no_grad():
+            caller = _fresh_caller(model, len(example_inputs), list(example_kwargs))
+            torch.compile(caller, backend=capture)(*example_inputs, **example_kwargs)
+        if backend.graphs_compiled == 0:
+            raise RuntimeError("torch.compile traced no graph of this model (it ran eagerly), so there is nothing "
+                               "to audit; TORCH_LOGS=graph_breaks,recompiles shows why")
+        explanation = _arrange(backend.report_for(model), model, capture.tables(), judge, findings=findings)
+    log.info("rope_dedup: %s audit: %d layer(s), %d distinct table(s), %d layer(s) differ from the majority, "
+             "%d mismatch(es)", "static" if explanation.static else "dry-run", len(explanation.layers),
+             len(explanation.groups), len(explanation.odd_layers), len(explanation.mismatches))
     return explanation
 
 
@@ -219,7 +255,10 @@ def _fresh_caller(model: torch.nn.Module, arity: int, keywords: list[str]) -> Ca
 
 
 def _arrange(report: DedupReport, model: torch.nn.Module, applied: list[AppliedTable],
-             judge: Callable[[str], RopeSpec | None] | None) -> Explanation:
+             judge: Callable[[str], RopeSpec | None] | None, *, static: bool = False,
+             empty: list[EmptySlot] = (), findings: list[Mismatch] = ()) -> Explanation:
+    """Arrange by layer. ``applied`` are the tables applied, or held when ``static``: then a table is judged
+    by its layer's expectation, else by its own path's (``judge`` takes either)."""
     letters = [_letter(i) for i in range(len(report.groups))]
     by_layer: dict[str, list[TableRow]] = {}
     for letter, group in zip(letters, report.groups):
@@ -237,18 +276,30 @@ def _arrange(report: DedupReport, model: torch.nn.Module, applied: list[AppliedT
         signatures = {layer: _signature((r.name, r.key) for r in rows) for layer, rows in by_layer.items()}
     differs, pattern = ({}, None) if judge is not None else _compare_layers(
         [layer for layer in names if layer in signatures], signatures)
-    expected = {layer: judge(layer) for layer in applied_by_layer} if judge is not None else {}
+
+    def spec_of(table: AppliedTable) -> RopeSpec | None:
+        if judge is None:
+            return None
+        return judge(table.layer) or (judge(table.source) if static else None)
+
+    judged_as = {layer: tuple(spec_of(t) for t in tables) for layer, tables in applied_by_layer.items()}
+    expected = {layer: next((s for s in specs if s is not None), None) for layer, specs in judged_as.items()}
     layers = tuple(LayerRow(layer, tuple(sorted(by_layer.get(layer, []), key=lambda r: r.name)),
-                            differs.get(layer, ()), tuple(applied_by_layer.get(layer, [])), expected.get(layer))
+                            differs.get(layer, ()), tuple(applied_by_layer.get(layer, [])), expected.get(layer),
+                            judged_as.get(layer, ()))
                    for layer in names)
-    mismatches: dict[tuple[str, str], Mismatch] = {}
+    mismatches: dict[tuple, Mismatch] = {(m.layer, m.field): m for m in findings}
     for table in applied:
-        spec = expected.get(table.layer)
+        spec = spec_of(table)
         for mismatch in check_table(table, spec) if spec is not None else ():
-            mismatches.setdefault((mismatch.layer, mismatch.field), mismatch)  # cos and sin say the same
-    if judge is not None and not applied:
-        mismatches[("(model)", "rope")] = Mismatch("(model)", "rope", "RoPE applied in attention layers",
-                                                   "no RoPE table applied", None)
+            # Once per layer, field and expectation: cos and sin say the same, Gemma 3's two tables do not.
+            mismatches.setdefault((mismatch.layer, mismatch.field, spec), mismatch)
+    for slot in empty:
+        mismatches[(slot.layer, "content", slot.path)] = Mismatch(slot.layer, "content", "a RoPE table",
+                                                                  f"{slot.path}: {slot.found}", None)
+    if judge is not None and not applied and not empty:
+        found = "no RoPE table held by the model" if static else "no RoPE table applied"
+        mismatches[("(model)", "rope")] = Mismatch("(model)", "rope", "RoPE applied in attention layers", found, None)
     parameters = {name for name, _ in model.named_parameters(remove_duplicate=False)}
     skipped = tuple(s for s in report.skipped if s.path not in parameters)
     seen = {m for g in report.groups for m in g.members} | {s.path for s in report.skipped}
@@ -263,6 +314,7 @@ def _arrange(report: DedupReport, model: torch.nn.Module, applied: list[AppliedT
         mismatches=tuple(mismatches.values()),
         pattern=pattern,
         judged=judge is not None,
+        static=static,
     )
 
 

@@ -52,15 +52,29 @@ def build(spec: str) -> tuple[torch.nn.Module, tuple]:
     return model_and_inputs(built, spec)
 
 
+class NoInputs(FactoryError):
+    """The factory returned a model and no example inputs: enough for an audit without a forward only."""
+
+
 def model_and_inputs(built: Any, spec: str) -> tuple[torch.nn.Module, tuple]:
     """Check what a factory returned: a module and at least one example input."""
+    if isinstance(built, torch.nn.Module):
+        raise NoInputs(f"{spec}() returned a model and no example inputs; expected (model, example_inputs)")
     if not (isinstance(built, tuple) and len(built) == 2 and isinstance(built[0], torch.nn.Module)):
         raise FactoryError(f"{spec}() returned {type(built).__name__}; expected (model, example_inputs)")
     model, inputs = built
     inputs = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
     if not inputs:
-        raise FactoryError(f"{spec}() returned no example inputs; expected (model, example_inputs)")
+        raise NoInputs(f"{spec}() returned no example inputs; expected (model, example_inputs)")
     return model, inputs
+
+
+def model_of(built: Any, spec: str) -> torch.nn.Module:
+    """The model a factory returned, alone or as (model, example_inputs): all an audit without a forward needs."""
+    model = built[0] if isinstance(built, tuple) and len(built) == 2 else built
+    if not isinstance(model, torch.nn.Module):
+        raise FactoryError(f"{spec}() returned {type(built).__name__}; expected a model or (model, example_inputs)")
+    return model
 
 
 def one_line(error: BaseException) -> str:

@@ -177,14 +177,22 @@ def expectation_for(expect: Expectation, model: torch.nn.Module) -> Callable[[st
     raise SpecError(f"expect must be a RopeSpec, a mapping, a callable or 'config', not {type(expect).__name__}")
 
 
-def config_expectation(model: torch.nn.Module) -> Callable[[str], RopeSpec | None]:
-    """Per layer, the RoPE ``model.config`` asks for (``layer_types`` picks per-type parameters)."""
+def _text_config(model: torch.nn.Module) -> Any:
     config = getattr(model, "config", None)
     if config is None:
         raise SpecError("expect='config' needs model.config (a transformers model's configuration); "
                         f"{type(model).__name__} has none")
     if hasattr(config, "get_text_config"):  # multimodal wrappers keep the decoder's settings there
         config = config.get_text_config()
+    return config
+
+
+def config_expectation(model: torch.nn.Module) -> Callable[[str], RopeSpec | None]:
+    """Per layer, the RoPE ``model.config`` asks for (``layer_types`` picks per-type parameters).
+
+    The function also takes a table's full path: a layer type that starts its name picks that type's
+    parameters (Gemma 3's model-level ``sliding_attention_inv_freq``)."""
+    config = _text_config(model)
     parameters = getattr(config, "rope_parameters", None)
     if parameters is None:  # transformers 4: rope_theta and rope_scaling side by side
         theta = getattr(config, "rope_theta", None)
@@ -206,9 +214,48 @@ def config_expectation(model: torch.nn.Module) -> Callable[[str], RopeSpec | Non
         if not per_type:
             return specs[None]
         index = layer_index(layer)
-        return specs[layer_types[index]] if index is not None and index < len(layer_types) else None
+        if index is not None:
+            return specs[layer_types[index]] if index < len(layer_types) else None
+        name = layer.rpartition(".")[2]
+        return next((spec for t, spec in specs.items() if name.startswith(f"{t}_")), None)
 
     return expected
+
+
+@dataclass(frozen=True)
+class ConfigConflict:
+    """A config that says two things: a legacy 4.x field next to the ``rope_parameters`` transformers 5 reads
+    (DeepSpeed #8341: code that sets or reads ``config.rope_theta`` now misses the value in use)."""
+
+    name: str  # the legacy field: rope_theta or rope_scaling
+    read: str  # what rope_parameters says, which transformers 5 uses
+    ignored: str  # the legacy field's value, which it ignores
+
+
+def config_conflicts(model: torch.nn.Module) -> list[ConfigConflict]:
+    """Legacy ``rope_theta`` / ``rope_scaling`` set on ``model.config`` that disagree with its
+    ``rope_parameters`` (per layer type: with every type's). Empty for a 4.x config, which has only those."""
+    config = _text_config(model)
+    parameters = getattr(config, "rope_parameters", None)
+    if not isinstance(parameters, Mapping):
+        return []
+    nested = [p for p in parameters.values() if isinstance(p, Mapping)]
+    groups = nested or [parameters]
+    legacy = vars(config)  # set on the instance: transformers 5 maps neither to rope_parameters
+    conflicts = []
+    theta = legacy.get("rope_theta")
+    if theta is not None and all(g.get("rope_theta") != theta for g in groups):
+        conflicts.append(ConfigConflict("rope_theta", " / ".join(f"rope_theta={_number(g.get('rope_theta'))}"
+                                                                  for g in groups), _number(theta)))
+    scaling = legacy.get("rope_scaling")
+    if isinstance(scaling, Mapping):
+        def kind(p: Mapping) -> tuple:
+            return p.get("rope_type") or p.get("type") or "default", p.get("factor")
+
+        if all(kind(g) != kind(scaling) for g in groups):
+            conflicts.append(ConfigConflict("rope_scaling", " / ".join(f"{kind(g)[0]} factor {kind(g)[1]}" for g in groups),
+                                            f"{kind(scaling)[0]} factor {kind(scaling)[1]}"))
+    return conflicts
 
 
 def _spec_from_parameters(parameters: Mapping[str, Any], config: Any, head_dim: int,

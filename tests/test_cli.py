@@ -267,3 +267,32 @@ def test_default_preset_with_inductor(tmp_path) -> None:
     assert run.returncode == 0, run.stderr
     summary = json.loads(out.read_text())["summary"]
     assert summary["rope_dedup_rope_bytes_vs_ideal"] == 1.0
+
+
+def test_static_audit_of_a_factory_that_returns_the_model_alone(capsys) -> None:
+    assert main(["audit", f"{CATCH}:rope_unfilled_after_to_empty", "--static"]) == 1  # no expectation needed
+    out = capsys.readouterr().out
+    assert out.startswith("RoPE audit (static: no forward ran)")
+    assert "2 mismatch(es)" in out and "NaN or inf" in out
+    assert main(["audit", f"{CATCH}:theta_lost_in_rope_parameters", "--static", "--expect", "config"]) == 1
+    out = capsys.readouterr().out
+    assert "what each held table encodes" in out and "MISMATCH: theta" in out
+    assert main(["audit", f"{CATCH}:theta_ignored", "--static", "--expect", "theta=1e4"]) == 0  # (model, inputs)
+    assert "every table holds the expected RoPE" in capsys.readouterr().out
+
+
+def test_an_audit_with_a_forward_points_a_factory_without_inputs_to_static(tmp_path, monkeypatch, capsys) -> None:
+    (tmp_path / "bare.py").write_text(
+        "from rope_dedup.toy_decoder import ToyDecoder, homogeneous\n"
+        "def build():\n    return ToyDecoder(homogeneous(2))\n"
+        "def empty():\n    return ToyDecoder(homogeneous(2)), ()\n"
+        "def nothing():\n    return 3\n")
+    monkeypatch.chdir(tmp_path)
+    for factory in ("build", "empty"):
+        assert main(["audit", f"bare.py:{factory}"]) == 2
+        error = capsys.readouterr().err.strip()
+        assert len(error.splitlines()) == 1 and error.endswith("or add --static to audit its tables without a forward")
+    assert main(["audit", "bare.py:build", "--static"]) == 0
+    assert main(["audit", "bare.py:nothing", "--static"]) == 2
+    assert capsys.readouterr().err.strip().endswith("bare.py:nothing() returned int; expected a model or "
+                                                    "(model, example_inputs)")

@@ -21,7 +21,12 @@ EXPECTED = {  # script -> lines its output must contain
         "partial_rotary_ignored (bug): model.layers.0: rotary_dim: expected 8, found 16",
         "gemma3_local_global_swapped (bug): model.layers.0: theta: expected 10000, found 1e+06",
         "inv_freq_in_bf16 (bug): model.layers.1: frequency dtype: expected float32, found bfloat16 (inv_freq rounded)",
-        "inv_freq_in_bf16 (fixed): every layer applies the expected RoPE"],
+        "inv_freq_in_bf16 (fixed): every layer applies the expected RoPE",
+        "rope_unfilled_after_to_empty (bug): model.rotary_emb: content: expected a RoPE table, found "
+        "model.rotary_emb.inv_freq: NaN or inf: uninitialized memory",
+        "rope_unfilled_after_to_empty (fixed): every table holds the expected RoPE",
+        "theta_lost_in_rope_parameters (bug): layers.1: theta: expected 500000, found 10000",
+        "theta_lost_in_rope_parameters (fixed): every table holds the expected RoPE"],
     "read_report.py": ["skipped: layers.4.attention.rope.cached_freqs: written in the graph"],
     "export_program.py": ["constants: 16 -> 2", "reloaded program equals eager"],
     "bench_computed_rope.py": ["fold+merge"],

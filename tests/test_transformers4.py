@@ -177,3 +177,20 @@ def test_training_under_inductor_is_bitwise_equal_to_inductor_alone() -> None:
     for step, (got, want) in enumerate(zip(grads, want_grads)):
         differ = [name for name in want if not torch.equal(got[name], want[name])]
         assert not differ, f"step {step}: {len(differ)} of {len(want)} gradients differ, e.g. {differ[:3]}"
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_the_static_audit_flags_every_layer_when_the_config_theta_changed_after_the_build(name: str) -> None:
+    """Right after init, no forward: each attention layer's own caches are judged against the config."""
+    from rope_dedup import explain
+
+    model = MODELS[name]()
+    calls = []
+    for module in model.modules():
+        module.register_forward_pre_hook(lambda module, args: calls.append(module))
+    assert explain(model, expect="config").mismatches == ()
+    model.config.rope_theta = 5e5
+    found = explain(model, expect="config").mismatches
+    attention_layers = sorted({m.layer for m in found})
+    assert len(attention_layers) == LAYERS and {m.field for m in found} == {"theta"}
+    assert calls == []
