@@ -14,7 +14,7 @@ then refilled (sleep mode, SGLang #33575); ``to_empty`` and re-init, from CPU or
 and ``load_state_dict`` of a checkpoint whose tables are equal or differ in one layer (tables are drawn
 persistent or not, and the backend shares persistent ones or not). The share() path calls share() again
 after each step, as a user would. ``ROPE_DEDUP_PROPERTY_EXAMPLES`` sets the number of examples over the
-three inner backends (default 100: 50 eager, 40 aot_eager, 10 inductor; the long run uses 500), plus 3/10
+three inner backends (default 50: 25 eager, 20 aot_eager, 5 inductor; the long run uses 500), plus 3/10
 of it for share().
 """
 
@@ -35,7 +35,7 @@ from rope_dedup.toy_decoder import FILLED_LAYOUTS, LAYOUTS, SCALINGS, TableRecip
 from rope_dedup import RopeDedupBackend, share
 from rope_dedup.tensors import same_values
 
-EXAMPLES = int(os.environ.get("ROPE_DEDUP_PROPERTY_EXAMPLES", "100"))
+EXAMPLES = int(os.environ.get("ROPE_DEDUP_PROPERTY_EXAMPLES", "50"))
 SEQ = 8
 STEPS = ("free", "to_empty", "meta", "float64", "reload_equal", "reload_other")
 
