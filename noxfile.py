@@ -1,6 +1,6 @@
 """The project's test sessions, each in a venv of its own: ``nox`` runs the default ones (what CI runs).
 
-    nox                          # tests, then transformers4: every default test
+    nox                          # tests, transformers4, then the import contract: every default check
     nox -s torch                 # the fast suite on every supported torch release
     nox -s "torch(version='2.11.0')"
     nox -r                       # reuse the venvs of an earlier run (much faster locally)
@@ -14,10 +14,12 @@ already satisfied and pip keeps that torch.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import nox
 
 nox.options.default_venv_backend = "venv"
-nox.options.sessions = ["tests", "transformers4"]
+nox.options.sessions = ["tests", "transformers4", "imports"]
 
 CI_TORCH = "2.13.0"
 # The releases the README's "Supported torch versions" table was measured on.
@@ -50,6 +52,18 @@ def transformers4(session: nox.Session) -> None:
     session.install(f"torch=={CI_TORCH}")
     session.install("-e", ".[test-transformers4]", f"torch=={CI_TORCH}")
     session.run(*PYTEST, *(session.posargs or ["tests/test_transformers4.py"]))
+
+
+@nox.session
+def imports(session: nox.Session) -> None:
+    """The import contract in pyproject.toml ([tool.importlinter]): tools -> audit -> sharing -> core, and
+    no graph pass importing another. Checked on the installed package, not the source tree: passes/
+    installs as rope_dedup.passes, which the tree does not nest."""
+    session.install(f"torch=={CI_TORCH}")
+    session.install(".", "import-linter==2.17", f"torch=={CI_TORCH}")
+    config = str(Path(__file__).resolve().parent / "pyproject.toml")
+    session.chdir(session.create_tmp())  # away from the source tree: rope_dedup comes from site-packages
+    session.run("lint-imports", config)
 
 
 @nox.session

@@ -10,7 +10,7 @@ config) fell back to the default 1e4: no error anywhere, only worse output. The 
 import torch
 
 import rope_dedup
-from rope_dedup.toy_decoder import TableRecipe, ToyDecoder, homogeneous
+from rope_dedup.testing.toy_decoder import TableRecipe, ToyDecoder, homogeneous
 
 
 def build() -> tuple[torch.nn.Module, tuple[torch.Tensor]]:

@@ -38,7 +38,7 @@ if __name__ == "__main__" and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:  # a 
 import torch  # noqa: E402
 
 from rope_dedup import RopeDedupBackend  # noqa: E402
-from rope_dedup import toy_decoder as toy  # noqa: E402
+from rope_dedup.testing import toy_decoder as toy  # noqa: E402
 
 VARIANTS = {  # name -> (fold_constants, merge_computed)
     "off": (False, False),

@@ -16,8 +16,8 @@ import time
 
 import torch
 
-from rope_dedup.profile import allocator_peak
-from rope_dedup.recognize import RopeTable, recognize_rope_table
+from rope_dedup.tools.profile import allocator_peak
+from rope_dedup.tables.recognize import RopeTable, recognize_rope_table
 
 TABLES = {  # layout -> table from the (length, width / 2) angles, as model code builds it
     "cos halves (HF)": lambda a: torch.cat([a, a], -1).cos(),

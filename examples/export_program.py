@@ -13,7 +13,7 @@ import tempfile
 import torch
 
 from rope_dedup import dedup_exported
-from rope_dedup.toy_decoder import ToyDecoder, homogeneous
+from rope_dedup.testing.toy_decoder import ToyDecoder, homogeneous
 
 
 def saved_bytes(ep: torch.export.ExportedProgram, directory: str, name: str) -> int:

@@ -26,7 +26,7 @@ def build() -> tuple[torch.nn.Module, tuple[torch.Tensor]]:
 
 
 def main() -> int:
-    from rope_dedup.cli import main as cli
+    from rope_dedup.tools.cli import main as cli
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--inner", default="inductor", help="backend compared with, and used under rope_dedup")

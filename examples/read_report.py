@@ -11,7 +11,7 @@ import argparse
 import torch
 
 from rope_dedup import RopeDedupBackend
-from rope_dedup.toy_decoder import TableRecipe, ToyDecoder, homogeneous
+from rope_dedup.testing.toy_decoder import TableRecipe, ToyDecoder, homogeneous
 
 
 def main() -> None:

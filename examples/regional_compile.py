@@ -12,7 +12,7 @@ import argparse
 import torch
 
 from rope_dedup import RopeDedupBackend
-from rope_dedup.toy_decoder import ToyDecoder, homogeneous, rope_tensors, unique_storages
+from rope_dedup.testing.toy_decoder import ToyDecoder, homogeneous, rope_tensors, unique_storages
 
 
 def main() -> None:

@@ -7,15 +7,15 @@ from typing import Sequence
 import torch
 import torch.fx
 
-from rope_dedup.interning import WatchedInput
-from rope_dedup.passes.find_candidates import Candidate, find_candidates
+from rope_dedup.core.sources import WatchedInput
+from rope_dedup.passes.find_candidates import Candidate, duplicates_by_memory, find_candidates
 from rope_dedup.passes.find_mutations import find_mutations
 from rope_dedup.passes.pass_base import GraphPass, PassContext, RopePassResult, run_passes
 from rope_dedup.passes.redirect_to_canonical import redirect_to_canonical
-from rope_dedup.recognize import is_rope_table
-from rope_dedup.reload import guard_reload
-from rope_dedup.store import Action, CanonicalStore
-from rope_dedup.tensors import has_storage, local, memory_ptr, placement, storage_ptr
+from rope_dedup.tables.recognize import is_rope_table
+from rope_dedup.core.reload import guard_reload
+from rope_dedup.core.store import Action, CanonicalStore
+from rope_dedup.tensors import has_storage, storage_ptr
 
 
 def dedup_rope(
@@ -112,24 +112,3 @@ def _written_candidates(candidates: list[Candidate], mutations: dict[torch.fx.No
             same = candidate.tensor is owner.tensor
             written[candidate.node] = how if same else f"shares memory with {owner.path}, which is written: {how}"
     return written
-
-
-def duplicates_by_memory(kept: list[Candidate]) -> tuple[dict, list[tuple[int, ...]]]:
-    """Nodes reading the very same memory (after sharing) -> the first such node in graph order."""
-    first: dict[tuple, Candidate] = {}
-    duplicates: dict[torch.fx.Node, torch.fx.Node] = {}
-    merged: dict[tuple, list[int]] = {}
-    for candidate in kept:
-        t = candidate.tensor
-        where = (memory_ptr(t), t.dtype, tuple(local(t).shape), tuple(local(t).stride()), placement(t))
-        if where not in first:
-            first[where] = candidate
-            merged[where] = [candidate.input_index]
-            continue
-        canonical = first[where]
-        if candidate.node is canonical.node:
-            continue
-        duplicates[candidate.node] = canonical.node
-        merged[where].append(candidate.input_index)
-    groups = [tuple(g) for g in merged.values() if len(g) > 1 and None not in g]
-    return duplicates, groups

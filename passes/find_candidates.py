@@ -15,8 +15,9 @@ from typing import Sequence
 import torch
 import torch.fx
 
-from rope_dedup.eligibility import in_state_dict
-from rope_dedup.sources import InputOrigin, attribute_origin, placeholder_origin
+from rope_dedup.core.eligibility import in_state_dict
+from rope_dedup.core.sources import InputOrigin, attribute_origin, placeholder_origin
+from rope_dedup.tensors import local, memory_ptr, placement
 
 
 @dataclass(frozen=True)
@@ -74,3 +75,24 @@ def _from_origin(node: torch.fx.Node, value: torch.Tensor, origin: InputOrigin, 
     """A candidate whose owner dynamo recorded (its source): path, kind and persistence come from there."""
     kind = "parameter" if isinstance(value, torch.nn.Parameter) else origin.kind
     return Candidate(node, value, origin.path, kind, index, in_state_dict(kind, origin.persistent), origin.owner)
+
+
+def duplicates_by_memory(kept: list[Candidate]) -> tuple[dict, list[tuple[int, ...]]]:
+    """Nodes reading the very same memory (after sharing) -> the first such node in graph order."""
+    first: dict[tuple, Candidate] = {}
+    duplicates: dict[torch.fx.Node, torch.fx.Node] = {}
+    merged: dict[tuple, list[int]] = {}
+    for candidate in kept:
+        t = candidate.tensor
+        where = (memory_ptr(t), t.dtype, tuple(local(t).shape), tuple(local(t).stride()), placement(t))
+        if where not in first:
+            first[where] = candidate
+            merged[where] = [candidate.input_index]
+            continue
+        canonical = first[where]
+        if candidate.node is canonical.node:
+            continue
+        duplicates[candidate.node] = canonical.node
+        merged[where].append(candidate.input_index)
+    groups = [tuple(g) for g in merged.values() if len(g) > 1 and None not in g]
+    return duplicates, groups

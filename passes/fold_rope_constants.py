@@ -18,7 +18,6 @@ rather than a chain they fuse and recompute; whether that pays is measured in do
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
@@ -26,14 +25,13 @@ import torch.fx
 from torch._dynamo.utils import counters
 from torch.utils._python_dispatch import _disable_current_modes
 
-from rope_dedup.passes.dedup_rope import duplicates_by_memory
-from rope_dedup.passes.find_candidates import find_candidates
+from rope_dedup.passes.find_candidates import duplicates_by_memory, find_candidates
 from rope_dedup.passes.find_pure_nodes import find_pure_nodes, node_key
-from rope_dedup.passes.pass_base import GraphPass, PassContext, RopePassResult, run_passes
+from rope_dedup.passes.pass_base import FoldedTable, GraphPass, PassContext, RopePassResult, run_passes
 from rope_dedup.passes.redirect_to_canonical import redirect_to_canonical
-from rope_dedup.recognize import is_rope_table
-from rope_dedup.sources import declare_constant_source, module_path
-from rope_dedup.store import CanonicalStore
+from rope_dedup.tables.recognize import is_rope_table
+from rope_dedup.core.sources import declare_constant_source, module_path
+from rope_dedup.core.store import CanonicalStore
 
 log = logging.getLogger("rope_dedup")
 
@@ -41,16 +39,6 @@ ATTRIBUTE_PREFIX = "_rope_folded"
 # No value bigger than this is computed at compile time (dynamo's fake values give sizes beforehand): a
 # constant subgraph that is not RoPE, a huge mask say, must not cost its memory while the graph compiles.
 MAX_VALUE_BYTES = 1 << 30
-
-
-@dataclass(frozen=True)
-class FoldedTable:
-    """One constant the pass created: the GraphModule attribute, its report name, the nodes it replaced."""
-
-    attribute: str
-    name: str
-    replaced: tuple[str, ...]
-    status: str  # the store's answer: canonical, shared (aliased onto an equal table) or skipped
 
 
 def fold_rope_constants(

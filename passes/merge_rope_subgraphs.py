@@ -26,9 +26,9 @@ from torch._dynamo.utils import counters
 from rope_dedup.passes.find_candidates import find_candidates
 from rope_dedup.passes.find_pure_nodes import find_pure_nodes, node_key
 from rope_dedup.passes.pass_base import GraphPass, PassContext, RopePassResult, run_passes
-from rope_dedup.recognize import is_rope_table
-from rope_dedup.sources import placeholder_origin
-from rope_dedup.store import CanonicalStore
+from rope_dedup.tables.recognize import is_rope_table
+from rope_dedup.core.sources import placeholder_origin
+from rope_dedup.core.store import CanonicalStore
 
 
 def merge_rope_subgraphs(

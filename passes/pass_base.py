@@ -11,19 +11,26 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import torch.fx
 from torch.fx.passes.infra.pass_base import PassResult
 
-from rope_dedup.interning import WatchedInput
-from rope_dedup.report import DedupReport
-from rope_dedup.store import CanonicalStore
-
-if TYPE_CHECKING:  # a pass module: it imports this one
-    from rope_dedup.passes.fold_rope_constants import FoldedTable
+from rope_dedup.core.sources import WatchedInput
+from rope_dedup.core.report import DedupReport
+from rope_dedup.core.store import CanonicalStore
 
 log = logging.getLogger("rope_dedup")
+
+
+@dataclass(frozen=True)
+class FoldedTable:
+    """One constant the pass created: the GraphModule attribute, its report name, the nodes it replaced."""
+
+    attribute: str
+    name: str
+    replaced: tuple[str, ...]
+    status: str  # the store's answer: canonical, shared (aliased onto an equal table) or skipped
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ from rope_dedup.passes.dedup_rope import DEDUP_ROPE
 from rope_dedup.passes.fold_rope_constants import FOLD_ROPE_CONSTANTS
 from rope_dedup.passes.merge_rope_subgraphs import MERGE_ROPE_SUBGRAPHS
 from rope_dedup.passes.pass_base import GraphPass, PassContext, RopePassResult, run_passes
-from rope_dedup.store import CanonicalStore
+from rope_dedup.core.store import CanonicalStore
 
 PASSES: tuple[GraphPass, ...] = (DEDUP_ROPE, MERGE_ROPE_SUBGRAPHS, FOLD_ROPE_CONSTANTS)
 CONSTRAINTS = [this_before_that_pass_constraint(DEDUP_ROPE, MERGE_ROPE_SUBGRAPHS)]

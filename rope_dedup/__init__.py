@@ -25,19 +25,67 @@ if not SUPPORTED_TORCH[0] <= _torch_release(torch.__version__) < SUPPORTED_TORCH
     raise ImportError(f"rope_dedup supports torch>={'.'.join(map(str, SUPPORTED_TORCH[0]))},"
                       f"<{'.'.join(map(str, SUPPORTED_TORCH[1]))}; installed torch is {torch.__version__}")
 
+import importlib
+import sys
+import types
+import warnings
+
+from rope_dedup.audit.check import RopeMismatch
+from rope_dedup.audit.explain import Explanation, explain
+from rope_dedup.audit.spec import RopeSpec
 from rope_dedup.backend import RopeDedupBackend, rope_dedup_backend
-from rope_dedup.check import RopeMismatch
 from rope_dedup.config import RopeDedupConfig
-from rope_dedup.explain import Explanation, explain
-from rope_dedup.passes.dedup_exported import dedup_exported
+from rope_dedup.core.report import DedupReport, Departed, Group, Skip
+from rope_dedup.export import dedup_exported
 from rope_dedup.passes.dedup_rope import dedup_rope
 from rope_dedup.passes.pass_base import RopePassResult
-from rope_dedup.keys import RopeKey
-from rope_dedup.report import DedupReport, Departed, Group, Skip
 from rope_dedup.share import share, sharing
-from rope_dedup.spec import RopeSpec
+from rope_dedup.tables.keys import RopeKey
 from rope_dedup.tracing import symbolic_trace
 from rope_dedup.unshare import unshare
+
+# Modules that moved into product folders (0.2): importable from the old path for one more release.
+MOVED_MODULES = {
+    "store": "core.store", "eligibility": "core.eligibility", "report": "core.report", "memory": "core.memory",
+    "reload": "core.reload", "sources": "core.sources", "recognize": "tables.recognize", "keys": "tables.keys",
+    "explain": "audit.explain", "applied": "audit.applied", "check": "audit.check", "spec": "audit.spec",
+    "cli": "tools.cli", "profile": "tools.profile", "plot": "tools.plot", "factories": "tools.factories",
+    "toy_decoder": "testing.toy_decoder", "passes.dedup_exported": "export",
+}
+
+
+class _MovedModule(types.ModuleType):
+    """The old path of a moved module: each name read from it warns once per place and comes from the new one.
+
+    It sits in ``sys.modules`` only, never as an attribute of the package: ``rope_dedup.explain`` stays
+    the function while ``from rope_dedup.explain import Explanation`` still works."""
+
+    def __init__(self, old: str, new: str) -> None:
+        super().__init__(old)
+        self._new = new
+
+    def __getattr__(self, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        warnings.warn(f"{self.__name__} moved to {self._new}: import {name} from there ({self.__name__} goes "
+                      f"in the next release)", DeprecationWarning, stacklevel=2)
+        return getattr(importlib.import_module(self._new), name)
+
+    def __dir__(self) -> list[str]:
+        return dir(importlib.import_module(self._new))
+
+
+for _old, _new in MOVED_MODULES.items():
+    sys.modules.setdefault(f"rope_dedup.{_old}", _MovedModule(f"rope_dedup.{_old}", f"rope_dedup.{_new}"))
+
+
+def __getattr__(name: str):
+    if name == "RopeDedupResult":  # renamed in 0.1 without a warning: kept one release with one
+        warnings.warn("rope_dedup.RopeDedupResult is now rope_dedup.RopePassResult (RopeDedupResult goes in the "
+                      "next release)", DeprecationWarning, stacklevel=2)
+        return RopePassResult
+    raise AttributeError(f"module 'rope_dedup' has no attribute {name!r}")
+
 
 # What users call and read. Internals (the store, recognition, keying) stay importable from their modules.
 __all__ = [

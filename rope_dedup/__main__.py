@@ -2,6 +2,6 @@
 
 import sys
 
-from rope_dedup.cli import main
+from rope_dedup.tools.cli import main
 
 sys.exit(main())

@@ -14,10 +14,10 @@ from torch._dynamo.utils import counters
 
 from rope_dedup.config import RopeDedupConfig
 from rope_dedup.interning import InterningCallable
-from rope_dedup.memory import release_if_freed
+from rope_dedup.core.memory import release_if_freed
 from rope_dedup.passes.pipeline import run_pipeline
-from rope_dedup.report import DedupReport
-from rope_dedup.store import CanonicalStore
+from rope_dedup.core.report import DedupReport
+from rope_dedup.core.store import CanonicalStore
 
 log = logging.getLogger("rope_dedup")
 

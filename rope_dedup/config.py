@@ -54,7 +54,7 @@ class RopeDedupConfig:
         merge_computed: merge identical table computations that read buffers or positions. None: as above.
         strict: raise an unexpected error inside the pass; otherwise the graph compiles without sharing
             and the error is logged and kept in ``report.errors``.
-        dry_run: decide and report, but alias and rewrite nothing (what :func:`rope_dedup.explain` uses).
+        dry_run: decide and report, but alias and rewrite nothing (what :func:`rope_dedup.audit.explain` uses).
         release_memory: after a compile that freed CPU tables (and from run-time interning once 64 MB
             more are freed), return freed heap memory to the OS with glibc's ``malloc_trim``: otherwise
             glibc keeps tables of a few MB in the process and RSS hardly drops. Never on the per-call path;

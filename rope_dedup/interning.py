@@ -12,26 +12,18 @@ only reads them shared it since (a pointer check per written input, in writing g
 from __future__ import annotations
 
 import logging
-from typing import Callable, NamedTuple, Sequence
+from typing import Callable, Sequence
 
 import torch
 from torch._dynamo.utils import counters
 from torch.utils.weak import WeakIdKeyDictionary
 
-from rope_dedup.memory import TRIM_THRESHOLD_BYTES, release_if_freed
-from rope_dedup.store import Action, CanonicalStore
+from rope_dedup.core.memory import TRIM_THRESHOLD_BYTES, release_if_freed
+from rope_dedup.core.sources import WatchedInput
+from rope_dedup.core.store import Action, CanonicalStore
 from rope_dedup.tensors import memory_ptr
 
 log = logging.getLogger("rope_dedup")
-
-
-class WatchedInput(NamedTuple):
-    """How to offer another tensor fed to the same graph input: the arguments the store got at compile time."""
-
-    path: str
-    kind: str
-    written: str | None
-    persistent: bool
 
 
 class InterningCallable:

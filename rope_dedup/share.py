@@ -22,11 +22,12 @@ import torch
 from torch.nn.modules.module import register_module_buffer_registration_hook
 
 from rope_dedup.backend import RopeDedupBackend, rope_dedup_backend
-from rope_dedup.eligibility import Refusal, SkipReason
-from rope_dedup.memory import TRIM_THRESHOLD_BYTES, release_if_freed
-from rope_dedup.reload import guard_reload
-from rope_dedup.report import DedupReport, Skip, module_state
-from rope_dedup.store import Action, CanonicalStore, Plan
+from rope_dedup.core.eligibility import Refusal, SkipReason
+from rope_dedup.core.memory import TRIM_THRESHOLD_BYTES, release_if_freed
+from rope_dedup.core.reload import guard_reload
+from rope_dedup.core.report import DedupReport, Skip
+from rope_dedup.tensors import module_state
+from rope_dedup.core.store import Action, CanonicalStore, Plan
 
 _SETTINGS = ("share_persistent", "dry_run", "release_memory")
 

@@ -1,4 +1,6 @@
-"""Where a tensor's memory lives: plain tensors as they are, a DTensor as its local shard.
+"""Where a tensor's memory lives, and every tensor a module holds: the lowest layer, imported by all.
+
+Plain tensors are taken as they are, a DTensor as its local shard.
 
 A replicated DTensor is a wrapper with no storage of its own (its ``data_ptr()`` is 0); each rank's
 memory is its local tensor. Sharing, pointer checks and byte counts all go through these helpers,
@@ -6,6 +8,8 @@ and this is the only module that reaches into DTensor's private ``_local_tensor`
 """
 
 from __future__ import annotations
+
+from typing import Iterator
 
 import torch
 
@@ -80,3 +84,29 @@ def same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.dtype == torch.complex32:
         return torch.equal(torch.view_as_real(a), torch.view_as_real(b))
     return torch.equal(a, b)
+
+
+def module_state(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor, str, bool, torch.nn.Module]]:
+    """(first full path, tensor, kind, saved in the state_dict, owning module) for every parameter, buffer
+    and plain tensor attribute of ``model``, each tensor object once."""
+    seen: set[int] = set()
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        dot = f"{prefix}." if prefix else ""
+        entries = [(name, t, "parameter", True) for name, t in module._parameters.items()]
+        entries += [(name, t, "buffer", name not in module._non_persistent_buffers_set)
+                    for name, t in module._buffers.items()]
+        entries += [(name, t, "attribute", False) for name, t in vars(module).items() if isinstance(t, torch.Tensor)]
+        for name, tensor, kind, persistent in entries:
+            if tensor is not None and id(tensor) not in seen:
+                seen.add(id(tensor))
+                yield dot + name, tensor, kind, persistent, module
+
+
+def module_tensors(model: torch.nn.Module) -> dict[int, tuple[str, torch.Tensor]]:
+    """id(tensor) -> (first full path, tensor) for every parameter, buffer and plain tensor attribute."""
+    return {id(tensor): (path, tensor) for path, tensor, *_ in module_state(model)}
+
+
+def tensor_paths(model: torch.nn.Module) -> dict[int, str]:
+    """id(tensor) -> full path for every parameter, buffer and plain tensor attribute of ``model``."""
+    return {ident: path for ident, (path, _) in module_tensors(model).items()}

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from rope_dedup.backend import RopeDedupBackend, rope_dedup_backend
-from rope_dedup.eligibility import Refusal, SkipReason
-from rope_dedup.report import module_tensors
+from rope_dedup.core.eligibility import Refusal, SkipReason
+from rope_dedup.tensors import module_tensors
 
 
 def unshare(model: torch.nn.Module, backend: RopeDedupBackend = rope_dedup_backend) -> list[str]:

@@ -66,7 +66,7 @@ import torch._inductor.config
 from torch._dynamo.utils import counters
 
 from rope_dedup import RopeDedupBackend
-from rope_dedup.toy_decoder import ToyDecoder, homogeneous, rope_tensors, unique_storages
+from rope_dedup.testing.toy_decoder import ToyDecoder, homogeneous, rope_tensors, unique_storages
 
 STYLES = ("whole", "regional")
 LABELS = ("inductor", "rope_dedup")  # the inner backend alone, and with the pass; "inductor" names the

@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_modul
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-from rope_dedup.toy_decoder import ToyDecoder, homogeneous, rope_tensors  # noqa: E402
+from rope_dedup.testing.toy_decoder import ToyDecoder, homogeneous, rope_tensors  # noqa: E402
 
 from rope_dedup import RopeDedupBackend  # noqa: E402
 

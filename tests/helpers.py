@@ -11,7 +11,7 @@ from typing import Callable
 
 import torch
 import torch.nn as nn
-from rope_dedup.toy_decoder import TableRecipe, ToyDecoder, rope_tensors, unique_storages
+from rope_dedup.testing.toy_decoder import TableRecipe, ToyDecoder, rope_tensors, unique_storages
 
 Blocks = Callable[[nn.Module], nn.ModuleList]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
-from rope_dedup.toy_decoder import rope_tensors
+from rope_dedup.testing.toy_decoder import rope_tensors
 
 from rope_dedup.tensors import same_values
 

@@ -48,7 +48,7 @@ Tables = Callable[[nn.Module], "list[tuple[str, torch.Tensor]]"]
 LAYERS = 2  # every model: enough for one duplicate per table, and whole-model compiles stay fast
 TOKENS = (2, 16)  # batch, sequence of the example inputs
 
-PERSISTENT = "in the state_dict"  # start of rope_dedup.eligibility.SkipReason.PERSISTENT
+PERSISTENT = "in the state_dict"  # start of rope_dedup.core.eligibility.SkipReason.PERSISTENT
 
 
 @dataclass

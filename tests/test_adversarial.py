@@ -7,7 +7,7 @@ import torch
 import torch.nn as nn
 
 from rope_dedup import RopeDedupBackend, dedup_rope
-from rope_dedup.eligibility import SkipReason
+from rope_dedup.core.eligibility import SkipReason
 
 
 def cos_table(length: int = 16, dim: int = 8, theta: float = 10000.0) -> torch.Tensor:

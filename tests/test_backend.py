@@ -11,7 +11,7 @@ from helpers import build, compile_model, rope_storages, unwrap
 from torch._dynamo.testing import EagerAndRecordGraphs, normalize_gm
 from torch._dynamo.utils import counters
 from ideal import ideal_storages
-from rope_dedup.toy_decoder import LAYOUTS, TableRecipe, ToyDecoder, homogeneous, local_global, rope_tensors
+from rope_dedup.testing.toy_decoder import LAYOUTS, TableRecipe, ToyDecoder, homogeneous, local_global, rope_tensors
 
 import rope_dedup
 from rope_dedup import RopeDedupBackend

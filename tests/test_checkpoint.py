@@ -15,8 +15,8 @@ from torch.torch_version import TorchVersion
 
 import rope_dedup
 from rope_dedup import RopeDedupBackend, dedup_rope
-from rope_dedup.toy_decoder import TableRecipe, ToyDecoder, homogeneous, rope_tensors, unique_storages
-from rope_dedup.eligibility import SkipReason
+from rope_dedup.testing.toy_decoder import TableRecipe, ToyDecoder, homogeneous, rope_tensors, unique_storages
+from rope_dedup.core.eligibility import SkipReason
 
 TOKENS = torch.randint(0, 64, (1, 8), generator=torch.Generator().manual_seed(0))
 LAYERS = 4

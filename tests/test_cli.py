@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from rope_dedup.cli import _modes, main
-from rope_dedup.profile import MODES
+from rope_dedup.tools.cli import _modes, main
+from rope_dedup.tools.profile import MODES
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = Path(sys.executable).with_name("rope-dedup")
@@ -132,7 +132,7 @@ def test_missing_matplotlib_fails_before_profiling(monkeypatch, tmp_path, capsys
 
 def test_the_library_imports_without_rich_or_matplotlib() -> None:
     code = ("import sys; sys.modules['rich'] = sys.modules['matplotlib'] = None\n"
-            "import rope_dedup, rope_dedup.cli, rope_dedup.profile, rope_dedup.plot\n"
+            "import rope_dedup, rope_dedup.tools.cli, rope_dedup.tools.profile, rope_dedup.tools.plot\n"
             "print(rope_dedup.explain.__name__)")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
@@ -176,7 +176,7 @@ def test_audit_of_a_file_factory_marks_the_odd_layer(capsys) -> None:
 
 def test_audit_of_a_clean_model_marks_nothing_and_prints_no_legend(tmp_path, monkeypatch, capsys) -> None:
     (tmp_path / "clean.py").write_text(
-        "import torch\nfrom rope_dedup.toy_decoder import ToyDecoder, homogeneous\n"
+        "import torch\nfrom rope_dedup.testing.toy_decoder import ToyDecoder, homogeneous\n"
         "def build():\n    return ToyDecoder(homogeneous(3, max_len=32)), torch.zeros(1, 4, dtype=torch.long)\n")
     monkeypatch.chdir(tmp_path)
     assert main(["audit", "clean.py:build"]) == 0
@@ -187,7 +187,7 @@ def test_audit_of_a_clean_model_marks_nothing_and_prints_no_legend(tmp_path, mon
 
 def test_audit_of_a_dotted_module(tmp_path, monkeypatch, capsys) -> None:
     (tmp_path / "my_model.py").write_text(
-        "import torch\nfrom rope_dedup.toy_decoder import ToyDecoder, local_global\n"
+        "import torch\nfrom rope_dedup.testing.toy_decoder import ToyDecoder, local_global\n"
         "def make():\n    return ToyDecoder(local_global(3, max_len=32)), torch.zeros(1, 4, dtype=torch.long)\n")
     monkeypatch.chdir(tmp_path)
     assert main(["audit", "my_model:make"]) == 0
@@ -283,7 +283,7 @@ def test_static_audit_of_a_factory_that_returns_the_model_alone(capsys) -> None:
 
 def test_an_audit_with_a_forward_points_a_factory_without_inputs_to_static(tmp_path, monkeypatch, capsys) -> None:
     (tmp_path / "bare.py").write_text(
-        "from rope_dedup.toy_decoder import ToyDecoder, homogeneous\n"
+        "from rope_dedup.testing.toy_decoder import ToyDecoder, homogeneous\n"
         "def build():\n    return ToyDecoder(homogeneous(2))\n"
         "def empty():\n    return ToyDecoder(homogeneous(2)), ()\n"
         "def nothing():\n    return 3\n")

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from rope_dedup import RopeDedupBackend, RopeDedupConfig
-from rope_dedup.toy_decoder import ToyDecoder, homogeneous, rope_tensors, unique_storages
+from rope_dedup.testing.toy_decoder import ToyDecoder, homogeneous, rope_tensors, unique_storages
 
 TOKENS = torch.randint(0, 64, (1, 8), generator=torch.Generator().manual_seed(0))
 
@@ -89,7 +89,7 @@ FABRIC = textwrap.dedent("""
     import torch
     from lightning_fabric import Fabric
     from rope_dedup import RopeDedupBackend
-    from rope_dedup.toy_decoder import ToyDecoder, homogeneous, rope_tensors, unique_storages
+    from rope_dedup.testing.toy_decoder import ToyDecoder, homogeneous, rope_tensors, unique_storages
 
     torch.manual_seed(0)
     model = ToyDecoder(homogeneous(4)).eval()

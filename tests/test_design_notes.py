@@ -1,7 +1,7 @@
 """Dynamo facts the rope_dedup design rests on, one test each, the fact stated in the test's docstring.
 
 Measured with torch 2.13.0 (CPU wheel): re-check them when torch changes. Toy decoders are from
-``rope_dedup.toy_decoder``: attention layers that each own a RoPE module with ``cos``/``sin`` buffers.
+``rope_dedup.testing.toy_decoder``: attention layers that each own a RoPE module with ``cos``/``sin`` buffers.
 """
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ import torch
 import torch.nn as nn
 from torch._dynamo.testing import CompileCounterWithBackend, EagerAndRecordGraphs
 from torch._dynamo.utils import counters
-from rope_dedup.toy_decoder import ToyDecoder, homogeneous, rope_tensors
+from rope_dedup.testing.toy_decoder import ToyDecoder, homogeneous, rope_tensors
 
 from rope_dedup import RopeDedupBackend
-from rope_dedup.sources import InputOrigin, placeholder_origin
+from rope_dedup.core.sources import InputOrigin, placeholder_origin
 
 
 class RecordOrigins(EagerAndRecordGraphs):

@@ -16,7 +16,7 @@ from torch._dynamo.testing import normalize_gm
 from torch._dynamo.utils import counters
 
 from rope_dedup import RopeDedupBackend, RopeDedupConfig
-from rope_dedup.toy_decoder import (
+from rope_dedup.testing.toy_decoder import (
     COMPUTED_LAYOUTS, ToyDecoder, homogeneous, local_global, rope_tensors, unique_storages,
 )
 

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from rope_dedup import RopeMismatch, RopeSpec, explain
-from rope_dedup.spec import Scaling, SpecError, expectation_for, parse_spec
-from rope_dedup.toy_decoder import ToyDecoder, homogeneous, local_global
+from rope_dedup.audit.spec import Scaling, SpecError, expectation_for, parse_spec
+from rope_dedup.testing.toy_decoder import ToyDecoder, homogeneous, local_global
 
 transformers = pytest.importorskip("transformers")
 

@@ -1,12 +1,12 @@
-"""rope_dedup.explain: per-layer keys, the odd layer marked, skips with reasons, and nothing shared."""
+"""rope_dedup.audit.explain: per-layer keys, the odd layer marked, skips with reasons, and nothing shared."""
 
 from __future__ import annotations
 
 import torch
-from rope_dedup.toy_decoder import TableRecipe, ToyDecoder, homogeneous, local_global, rope_tensors, unique_storages
+from rope_dedup.testing.toy_decoder import TableRecipe, ToyDecoder, homogeneous, local_global, rope_tensors, unique_storages
 
 from rope_dedup import RopeDedupBackend, explain
-from rope_dedup.explain import split_layer
+from rope_dedup.audit.explain import split_layer
 
 TOKENS = torch.randint(0, 64, (1, 8))
 
@@ -85,7 +85,7 @@ def test_the_audit_caller_has_findable_source() -> None:
     The generated caller's source is registered, so every torch compiles it as a plain function."""
     import inspect
 
-    from rope_dedup.explain import _fresh_caller
+    from rope_dedup.audit.explain import _fresh_caller
 
     caller = _fresh_caller(ToyDecoder(homogeneous(1)), 1, [])
     assert inspect.getsourcefile(caller) == "<rope_dedup.explain>"

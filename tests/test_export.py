@@ -10,12 +10,12 @@ import torch
 import torch.nn as nn
 from torch.export.graph_signature import InputKind
 from ideal import ideal_storages
-from rope_dedup.toy_decoder import (
+from rope_dedup.testing.toy_decoder import (
     LAYOUTS, TableRecipe, ToyDecoder, homogeneous, local_global, rope_tensors, unique_storages,
 )
 
 from rope_dedup import dedup_exported
-from rope_dedup.eligibility import SkipReason
+from rope_dedup.core.eligibility import SkipReason
 
 TOKENS = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
 

@@ -9,10 +9,10 @@ import copy
 import pytest
 import torch
 
-import rope_dedup.store as store_module
+import rope_dedup.core.store as store_module
 from rope_dedup import RopeDedupBackend, share
 from rope_dedup.tensors import same_values
-from rope_dedup.toy_decoder import ToyDecoder, local_global, rope_tensors
+from rope_dedup.testing.toy_decoder import ToyDecoder, local_global, rope_tensors
 
 TOKENS = torch.randint(0, 64, (1, 8), generator=torch.Generator().manual_seed(0))
 

@@ -11,7 +11,7 @@ import torch.nn as nn
 from helpers import build
 from torch._dynamo.testing import EagerAndRecordGraphs, normalize_gm
 from torch._dynamo.utils import counters
-from rope_dedup.toy_decoder import COMPUTED_LAYOUTS, TableRecipe, homogeneous
+from rope_dedup.testing.toy_decoder import COMPUTED_LAYOUTS, TableRecipe, homogeneous
 
 from rope_dedup import RopeDedupBackend
 from rope_dedup.config import COMPUTED_TABLE_DEFAULTS

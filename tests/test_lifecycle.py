@@ -15,10 +15,10 @@ import pytest
 import torch
 from helpers import compile_model, rope_storages
 from torch._dynamo.utils import counters
-from rope_dedup.toy_decoder import TableRecipe, ToyDecoder, homogeneous, local_global, rope_tensors, unique_storages
+from rope_dedup.testing.toy_decoder import TableRecipe, ToyDecoder, homogeneous, local_global, rope_tensors, unique_storages
 
 from rope_dedup import RopeDedupBackend
-from rope_dedup.eligibility import SkipReason
+from rope_dedup.core.eligibility import SkipReason
 
 TOKENS = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
 SPECS = {"homogeneous": homogeneous(4, max_len=64), "local_global": local_global(6, every=3, max_len=64)}

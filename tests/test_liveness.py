@@ -10,14 +10,14 @@ import textwrap
 
 import torch
 
-from rope_dedup.eligibility import SkipReason
-from rope_dedup.store import CanonicalStore
-from rope_dedup.toy_decoder import ToyDecoder, homogeneous, rope_tensors
+from rope_dedup.core.eligibility import SkipReason
+from rope_dedup.core.store import CanonicalStore
+from rope_dedup.testing.toy_decoder import ToyDecoder, homogeneous, rope_tensors
 
 FREED_THEN_ANOTHER_MODEL = textwrap.dedent("""
     import torch
     from rope_dedup import RopeDedupBackend
-    from rope_dedup.toy_decoder import ToyDecoder, homogeneous, rope_tensors
+    from rope_dedup.testing.toy_decoder import ToyDecoder, homogeneous, rope_tensors
 
     backend = RopeDedupBackend("eager")
     tokens = torch.randint(0, 64, (1, 8))

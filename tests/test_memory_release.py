@@ -6,10 +6,10 @@ import pytest
 import torch
 
 import rope_dedup.interning
-import rope_dedup.memory
+import rope_dedup.core.memory
 from rope_dedup import RopeDedupBackend
-from rope_dedup.memory import _malloc_trim, release_freed_memory
-from rope_dedup.toy_decoder import ToyDecoder, homogeneous
+from rope_dedup.core.memory import _malloc_trim, release_freed_memory
+from rope_dedup.testing.toy_decoder import ToyDecoder, homogeneous
 
 TOKENS = torch.randint(0, 64, (1, 8), generator=torch.Generator().manual_seed(0))
 
@@ -17,7 +17,7 @@ TOKENS = torch.randint(0, 64, (1, 8), generator=torch.Generator().manual_seed(0)
 @pytest.fixture
 def trims(monkeypatch) -> list[int]:
     calls: list[int] = []
-    monkeypatch.setattr(rope_dedup.memory, "release_freed_memory", lambda: calls.append(1) or True)
+    monkeypatch.setattr(rope_dedup.core.memory, "release_freed_memory", lambda: calls.append(1) or True)
     return calls
 
 

@@ -12,7 +12,7 @@ from torch.fx.passes.infra.pass_base import PassResult
 
 from rope_dedup import DedupReport, RopeDedupBackend, dedup_rope
 from rope_dedup.passes.find_mutations import find_mutations
-from rope_dedup.store import CanonicalStore
+from rope_dedup.core.store import CanonicalStore
 
 
 def rope_table(theta: float = 10000.0, dim: int = 8, length: int = 16) -> tuple[torch.Tensor, torch.Tensor]:

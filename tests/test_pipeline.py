@@ -12,8 +12,8 @@ from rope_dedup import RopeDedupBackend, RopeDedupConfig, RopePassResult, dedup_
 from rope_dedup.passes.fold_rope_constants import fold_rope_constants
 from rope_dedup.passes.merge_rope_subgraphs import merge_rope_subgraphs
 from rope_dedup.passes.pipeline import CONSTRAINTS, PASSES, enabled_passes, run_pipeline
-from rope_dedup.store import CanonicalStore
-from rope_dedup.toy_decoder import ToyDecoder, homogeneous
+from rope_dedup.core.store import CanonicalStore
+from rope_dedup.testing.toy_decoder import ToyDecoder, homogeneous
 
 TOKENS = torch.randint(0, 64, (1, 8))
 ALL = ["dedup_rope", "merge_rope_subgraphs", "fold_rope_constants"]

@@ -1,4 +1,4 @@
-"""rope_dedup.profile pieces that need no child process: the ideal, error lines, targets."""
+"""rope_dedup.tools.profile pieces that need no child process: the ideal, error lines, targets."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import signal
 import pytest
 import torch
 
-from rope_dedup import profile as prof
-from rope_dedup import toy_decoder
+from rope_dedup.tools import profile as prof
+from rope_dedup.testing import toy_decoder
 
 
 def test_ideal_is_one_storage_per_distinct_table_from_content() -> None:

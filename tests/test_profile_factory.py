@@ -7,13 +7,13 @@ import textwrap
 
 import pytest
 
-from rope_dedup.cli import main
+from rope_dedup.tools.cli import main
 
 FAST = ["--inner", "eager", "--steps", "2", "--step-seconds", "0", "--timeout", "300"]
 
 FACTORIES = textwrap.dedent("""
     import torch
-    from rope_dedup.toy_decoder import ToyDecoder, homogeneous
+    from rope_dedup.testing.toy_decoder import ToyDecoder, homogeneous
 
     def build():
         torch.manual_seed(0)

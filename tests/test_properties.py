@@ -30,7 +30,7 @@ from hypothesis import strategies as st
 from helpers import build, compile_model, unwrap
 from torch._dynamo.utils import counters
 from ideal import ideal_storages
-from rope_dedup.toy_decoder import FILLED_LAYOUTS, LAYOUTS, SCALINGS, TableRecipe, rope_tensors
+from rope_dedup.testing.toy_decoder import FILLED_LAYOUTS, LAYOUTS, SCALINGS, TableRecipe, rope_tensors
 
 from rope_dedup import RopeDedupBackend, share
 from rope_dedup.tensors import same_values

@@ -17,7 +17,7 @@ from real_models import PERSISTENT, REAL_MODELS, WITH_PERSISTENT_TABLES, RealCas
 from torch._dynamo.utils import counters
 
 from rope_dedup import RopeDedupBackend
-from rope_dedup.report import DedupReport
+from rope_dedup.core.report import DedupReport
 
 # fair-esm's modules use torch.jit.script_method, deprecated in torch 2.13: one warning per import.
 pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")

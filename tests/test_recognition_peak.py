@@ -9,8 +9,8 @@ import math
 import pytest
 import torch
 
-from rope_dedup.profile import allocator_peak
-from rope_dedup.recognize import RopeTable, recognize_rope_table
+from rope_dedup.tools.profile import allocator_peak
+from rope_dedup.tables.recognize import RopeTable, recognize_rope_table
 
 LENGTH, DIM = 65536, 64  # a 16 MiB float32 table
 

@@ -1,7 +1,7 @@
 """Recognition and keys, from tensor content alone: every layout, scaled variants, impostors, properties.
 
 Tables are built the way model code builds them (float32 frequencies and angles, cast at the end), with
-the frequency code of ``rope_dedup/toy_decoder.py``. Nothing here passes a name to the library.
+the frequency code of ``rope_dedup/testing/toy_decoder.py``. Nothing here passes a name to the library.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rope_dedup import RopeKey
-from rope_dedup.keys import infer_key
-from rope_dedup.recognize import NotRope, RopeTable, recognize_rope_table
-from rope_dedup import toy_decoder as toy
+from rope_dedup.tables.keys import infer_key
+from rope_dedup.tables.recognize import NotRope, RopeTable, recognize_rope_table
+from rope_dedup.testing import toy_decoder as toy
 
 
 @pytest.fixture(autouse=True, scope="module")

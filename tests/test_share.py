@@ -12,8 +12,8 @@ from torch.nn.modules.module import _global_buffer_registration_hooks
 
 import rope_dedup
 from rope_dedup import RopeDedupBackend, share, sharing
-from rope_dedup.eligibility import SkipReason
-from rope_dedup.toy_decoder import TableRecipe, ToyDecoder, homogeneous, local_global, rope_tensors, unique_storages
+from rope_dedup.core.eligibility import SkipReason
+from rope_dedup.testing.toy_decoder import TableRecipe, ToyDecoder, homogeneous, local_global, rope_tensors, unique_storages
 from rope_dedup.tensors import same_values
 
 TOKENS = torch.randint(0, 64, (1, 8), generator=torch.Generator().manual_seed(0))
@@ -206,7 +206,7 @@ def test_the_public_names() -> None:
 def test_a_failure_midway_leaves_nothing_half_shared(k: int, monkeypatch) -> None:
     """An exception at the k-th storage re-point: the tables before it are shared, the rest their own, and
     outputs are those of the unshared model."""
-    import rope_dedup.store as store_module
+    import rope_dedup.core.store as store_module
 
     model, reference = twins(local_global(6))
     calls = {"n": 0}

@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 
 from rope_dedup import RopeMismatch, RopeSpec, explain
-from rope_dedup.toy_decoder import LAYOUTS, ToyDecoder, homogeneous, local_global
+from rope_dedup.testing.toy_decoder import LAYOUTS, ToyDecoder, homogeneous, local_global
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "catch_misconfiguration.py"
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rope_dedup.eligibility import SkipReason
-from rope_dedup.store import Action, CanonicalStore
+from rope_dedup.core.eligibility import SkipReason
+from rope_dedup.core.store import Action, CanonicalStore
 
 
 def table(theta: float = 1e4, length: int = 64, dim: int = 16) -> torch.Tensor:

@@ -8,7 +8,7 @@ import threading
 import torch
 
 from rope_dedup import RopeDedupBackend, share
-from rope_dedup.toy_decoder import ToyDecoder, local_global, rope_tensors
+from rope_dedup.testing.toy_decoder import ToyDecoder, local_global, rope_tensors
 
 TOKENS = [torch.randint(0, 64, (1, 8), generator=torch.Generator().manual_seed(i)) for i in range(4)]
 

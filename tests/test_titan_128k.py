@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from rope_dedup.toy_decoder import ToyDecoder, homogeneous, rope_tensors, unique_storages
+from rope_dedup.testing.toy_decoder import ToyDecoder, homogeneous, rope_tensors, unique_storages
 
 from rope_dedup import RopeDedupBackend
 

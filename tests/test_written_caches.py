@@ -9,9 +9,9 @@ from real_models import RotaryStack, unique_storages
 from torch._dynamo.utils import counters
 
 from rope_dedup import RopeDedupBackend, RopeKey
-from rope_dedup.keys import infer_key
-from rope_dedup.recognize import NotRope, RopeTable, recognize_rope_table
-from rope_dedup.toy_decoder import ToyDecoder, homogeneous
+from rope_dedup.tables.keys import infer_key
+from rope_dedup.tables.recognize import NotRope, RopeTable, recognize_rope_table
+from rope_dedup.testing.toy_decoder import ToyDecoder, homogeneous
 
 pytest.importorskip("rotary_embedding_torch")
 

@@ -1,6 +1,6 @@
 """The static audit's view: what each RoPE table the model holds encodes, read from the tables alone.
 
-:mod:`rope_dedup.applied` measures the tables a forward applies; this module measures the buffers and
+:mod:`rope_dedup.audit.applied` measures the tables a forward applies; this module measures the buffers and
 plain tensor attributes the model holds, so the audit can run the moment a model is built, before any
 forward. It also names the slots that should hold RoPE but do not (never filled after ``to_empty``, NaN,
 garbage). The rule for such a slot, stated once here and in the README: a buffer or tensor attribute that
@@ -22,11 +22,11 @@ from typing import Callable
 
 import torch
 
-from rope_dedup.applied import AppliedTable, layer_of, table_parts
-from rope_dedup.keys import infer_key
-from rope_dedup.recognize import NotRope, RopeTable, recognize_rope_table
-from rope_dedup.report import module_state
-from rope_dedup.spec import RopeSpec
+from rope_dedup.audit.applied import AppliedTable, layer_of, table_parts
+from rope_dedup.tables.keys import infer_key
+from rope_dedup.tables.recognize import NotRope, RopeTable, recognize_rope_table
+from rope_dedup.tensors import module_state
+from rope_dedup.audit.spec import RopeSpec
 from rope_dedup.tensors import is_plain, local, readable
 
 SLOT_NAMES = frozenset({"inv_freq", "cos", "sin", "cos_cached", "sin_cached", "freqs_cis", "rope_cache",

@@ -22,11 +22,11 @@ import torch.fx
 from torch.export import ExportedProgram
 from torch.export.graph_signature import ExportGraphSignature, InputKind, InputSpec, OutputKind
 
-from rope_dedup.eligibility import in_state_dict
+from rope_dedup.core.eligibility import in_state_dict
 from rope_dedup.passes.find_mutations import find_mutations
 from rope_dedup.passes.redirect_to_canonical import redirect_to_canonical
-from rope_dedup.report import DedupReport
-from rope_dedup.store import Action, CanonicalStore
+from rope_dedup.core.report import DedupReport
+from rope_dedup.core.store import Action, CanonicalStore
 
 log = logging.getLogger("rope_dedup")
 

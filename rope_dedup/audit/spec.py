@@ -1,9 +1,9 @@
 """What a layer's RoPE is meant to be: :class:`RopeSpec`, its scaling, and the frequencies it implies.
 
-An expectation for :func:`rope_dedup.explain` is a ``RopeSpec`` for every layer, a mapping from layer-name
+An expectation for :func:`rope_dedup.audit.explain` is a ``RopeSpec`` for every layer, a mapping from layer-name
 pattern to ``RopeSpec``, a callable ``layer -> RopeSpec | None``, or ``"config"`` (the model's own
 transformers configuration). Whatever the form, it ends up as one function from layer name to
-expected frequencies and amplitude, which :mod:`rope_dedup.check` compares with what the layer applied.
+expected frequencies and amplitude, which :mod:`rope_dedup.audit.check` compares with what the layer applied.
 
 The formulas follow transformers' ``modeling_rope_utils`` (linear, dynamic NTK, llama3, YaRN, longrope)
 so that torch stays the only dependency; ``"config"`` uses transformers' own ``ROPE_INIT_FUNCTIONS``

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch.fx
 
@@ -142,3 +142,12 @@ def module_path(node: torch.fx.Node) -> str:
     path = re.sub(r"\[(\d+)\]", r".\1", path)
     path = re.sub(r"\['([^']+)'\]", r".\1", path)
     return path.strip(".")
+
+
+class WatchedInput(NamedTuple):
+    """How to offer another tensor fed to the same graph input: the arguments the store got at compile time."""
+
+    path: str
+    kind: str
+    written: str | None
+    persistent: bool

@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-from rope_dedup.eligibility import Refusal, SkipReason
-from rope_dedup.store import CanonicalStore
+from rope_dedup.core.eligibility import Refusal, SkipReason
+from rope_dedup.core.store import CanonicalStore
 from rope_dedup.tensors import same_values
 
 # module -> the stores that already guard it (one hook per module and store).

@@ -1,6 +1,6 @@
 """Memory and time of a toy decoder under eager, ``torch.compile`` and rope_dedup, one fresh process per mode.
 
-Each mode runs in its own interpreter (``python -m rope_dedup.profile MODE CONFIG RESULT``) so that its
+Each mode runs in its own interpreter (``python -m rope_dedup.tools.profile MODE CONFIG RESULT``) so that its
 peak RSS and its inductor cache (a fresh ``TORCHINDUCTOR_CACHE_DIR``) belong to it alone, and with
 a fixed glibc mmap threshold so that freed tables leave RSS in every mode (see :func:`run_mode`). The child
 builds the model, computes the ideal RoPE storage on its own (exact-equality groups of the model's
@@ -35,8 +35,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from rope_dedup import toy_decoder as toy
-from rope_dedup.factories import build as build_from_factory, one_line
+from rope_dedup.testing import toy_decoder as toy
+from rope_dedup.tools.factories import build as build_from_factory, one_line
 from rope_dedup.tensors import same_values
 
 MODES = ("eager", "compile", "rope_dedup", "regional", "share", "sharing")
@@ -240,7 +240,7 @@ def build_inputs(config: ProfileConfig) -> tuple[torch.nn.Module, tuple, list[to
 def rope_tables(model: torch.nn.Module) -> list[torch.Tensor]:
     """A user model's RoPE tables, recognized from content (names are not used) among its buffers and
     plain tensor attributes. The ideal is then exact-equality groups of these, as for the toy decoder."""
-    from rope_dedup.recognize import is_rope_table
+    from rope_dedup.tables.recognize import is_rope_table
 
     unique = {id(t): t for t in _state_tensors(model)}.values()
     return [t for t in unique if (t.is_floating_point() or t.is_complex()) and is_rope_table(t)]
@@ -436,7 +436,7 @@ def run_mode(config: ProfileConfig, mode: str, workdir: str, timeout: float | No
            # the heap or not: peak RSS then varies by up to all tables' size. A fixed 4 MiB threshold gives
            # tables their own mappings, returned to the OS when freed, in every mode alike.
            "MALLOC_MMAP_THRESHOLD_": str(4 << 20)}
-    command = [sys.executable, "-m", "rope_dedup.profile", mode, json.dumps(asdict(config)), str(result_path)]
+    command = [sys.executable, "-m", "rope_dedup.tools.profile", mode, json.dumps(asdict(config)), str(result_path)]
     try:
         child = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:

@@ -19,10 +19,10 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.fx
 
-from rope_dedup.keys import RopeKey, infer_key
-from rope_dedup.recognize import RopeTable, recognize_rope_table
-from rope_dedup.report import tensor_paths
-from rope_dedup.sources import attribute_origin, module_path, placeholder_origin
+from rope_dedup.tables.keys import RopeKey, infer_key
+from rope_dedup.tables.recognize import RopeTable, recognize_rope_table
+from rope_dedup.tensors import tensor_paths
+from rope_dedup.core.sources import attribute_origin, module_path, placeholder_origin
 
 _MULTIPLY = {operator.mul, torch.mul, torch.Tensor.mul, "mul"}
 _TRIG = {torch.cos, torch.sin, torch.polar, torch.Tensor.cos, torch.Tensor.sin, "cos", "sin"}

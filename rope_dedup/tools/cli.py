@@ -18,9 +18,9 @@ from typing import Any, NoReturn, Sequence
 
 import torch
 
-from rope_dedup import profile as prof
-from rope_dedup.factories import FactoryError, NoInputs, load_factory, model_and_inputs, model_of
-from rope_dedup.report import format_bytes
+from rope_dedup.tools import profile as prof
+from rope_dedup.tools.factories import FactoryError, NoInputs, load_factory, model_and_inputs, model_of
+from rope_dedup.core.text import format_bytes
 
 USAGE_ERROR, RUN_ERROR = 2, 1
 
@@ -158,7 +158,7 @@ def _profile(args: argparse.Namespace, console, error_console) -> int:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
         console.print(f"wrote {args.json}")
     if args.plot is not None:
-        from rope_dedup.plot import plot_profile
+        from rope_dedup.tools.plot import plot_profile
 
         plot_profile(result, args.plot)
         console.print(f"wrote {args.plot}")
@@ -318,8 +318,8 @@ def _bytes_or_dash(value: int | None) -> str:
 # -- audit --------------------------------------------------------------------------------------------
 
 def _audit(args: argparse.Namespace, console) -> int:
-    from rope_dedup.explain import explain
-    from rope_dedup.spec import SpecError, parse_spec
+    from rope_dedup.audit.explain import explain
+    from rope_dedup.audit.spec import SpecError, parse_spec
 
     try:
         expect = None if args.expect is None else "config" if args.expect == "config" else parse_spec(args.expect)
@@ -363,8 +363,8 @@ def _bad_factory():
 def _print_explanation(explanation, console) -> None:
     from rich.table import Table
 
-    from rope_dedup.check import MISMATCH_COLUMNS
-    from rope_dedup.explain import COLUMNS
+    from rope_dedup.audit.check import MISMATCH_COLUMNS
+    from rope_dedup.audit.explain import COLUMNS
 
     console.print(explanation.headline(), highlight=False)
     # A caption is the legend of the "*" mark: shown only under a table that marks a row. (The groups are

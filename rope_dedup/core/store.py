@@ -6,10 +6,10 @@ can reach the other layers' tables. It holds weak references only: dropping a mo
 
 ``offer`` is the single entry point for both compile time and run time: :meth:`CanonicalStore.decide`
 makes a :class:`Plan` from the store's state, the safety rules
-(:func:`rope_dedup.eligibility.why_not_shareable`) and recognition without changing anything, and
+(:func:`rope_dedup.core.eligibility.why_not_shareable`) and recognition without changing anything, and
 :meth:`CanonicalStore.apply` carries it out; storage is re-pointed in one place (``_share_storage`` /
 ``_own_storage``), never in a dry run. Every tensor offered ends up in a group or in ``skipped`` with
-a :class:`~rope_dedup.eligibility.Refusal`, which is what the report reads.
+a :class:`~rope_dedup.core.eligibility.Refusal`, which is what the report reads.
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from rope_dedup.eligibility import Refusal, SkipReason, why_not_shareable
-from rope_dedup.keys import RopeKey, infer_key
-from rope_dedup.recognize import NotRope, recognize_rope_table
+from rope_dedup.core.eligibility import Refusal, SkipReason, why_not_shareable
+from rope_dedup.tables.keys import RopeKey, infer_key
+from rope_dedup.tables.recognize import NotRope, recognize_rope_table
 from rope_dedup.tensors import local, memory_ptr, placement, readable, same_values, storage_nbytes, storage_ptr
 
 log = logging.getLogger("rope_dedup")

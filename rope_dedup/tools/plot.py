@@ -6,14 +6,14 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
-from rope_dedup.profile import describe_config, mode_label
+from rope_dedup.tools.profile import describe_config, mode_label
 
 
 _BELOW = dict(loc="upper center", bbox_to_anchor=(0.5, -0.17), ncol=2, frameon=False)  # clear of the bars
 
 
 def plot_profile(result: dict[str, Any], path: Path) -> None:
-    """Write a two-panel bar chart of ``result`` (what :func:`rope_dedup.profile.run_profile` returns) to ``path``."""
+    """Write a two-panel bar chart of ``result`` (what :func:`rope_dedup.tools.profile.run_profile` returns) to ``path``."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only: no display needed

@@ -8,14 +8,15 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator, Mapping, Sequence
+from typing import Iterable, Mapping, Sequence
 
 import torch
 
-from rope_dedup.eligibility import SkipReason
-from rope_dedup.keys import RopeKey
-from rope_dedup.store import base_name
-from rope_dedup.tensors import describe_placement, local, storage_nbytes, storage_ptr
+from rope_dedup.core.eligibility import SkipReason
+from rope_dedup.tables.keys import RopeKey
+from rope_dedup.core.store import base_name
+from rope_dedup.core.text import format_bytes, format_table
+from rope_dedup.tensors import describe_placement, local, module_tensors, storage_nbytes, storage_ptr
 
 
 @dataclass(frozen=True)
@@ -95,7 +96,7 @@ class DedupReport:
 
     @classmethod
     def from_store(cls, store, model: torch.nn.Module | None = None, errors: Sequence[str] = ()) -> DedupReport:
-        """Snapshot a :class:`~rope_dedup.store.CanonicalStore`'s live groups and its skip list.
+        """Snapshot a :class:`~rope_dedup.core.store.CanonicalStore`'s live groups and its skip list.
 
         With ``model``, members and skipped tensors are named by their full path in it: under regional
         compilation the backend sees one block, so the names it recorded are relative to that block
@@ -190,45 +191,3 @@ def _departed(store, shared: set[str], tensors: dict[int, tuple[str, torch.Tenso
         now = at.get(path)
         departed.append(Departed(path, key, times, None if now is None else storage_nbytes(now)))
     return departed
-
-
-def format_table(rows: list[tuple[str, ...]]) -> list[str]:
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return ["  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
-
-
-def module_state(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor, str, bool, torch.nn.Module]]:
-    """(first full path, tensor, kind, saved in the state_dict, owning module) for every parameter, buffer
-    and plain tensor attribute of ``model``, each tensor object once."""
-    seen: set[int] = set()
-    for prefix, module in model.named_modules(remove_duplicate=False):
-        dot = f"{prefix}." if prefix else ""
-        entries = [(name, t, "parameter", True) for name, t in module._parameters.items()]
-        entries += [(name, t, "buffer", name not in module._non_persistent_buffers_set)
-                    for name, t in module._buffers.items()]
-        entries += [(name, t, "attribute", False) for name, t in vars(module).items() if isinstance(t, torch.Tensor)]
-        for name, tensor, kind, persistent in entries:
-            if tensor is not None and id(tensor) not in seen:
-                seen.add(id(tensor))
-                yield dot + name, tensor, kind, persistent, module
-
-
-def module_tensors(model: torch.nn.Module) -> dict[int, tuple[str, torch.Tensor]]:
-    """id(tensor) -> (first full path, tensor) for every parameter, buffer and plain tensor attribute."""
-    return {id(tensor): (path, tensor) for path, tensor, *_ in module_state(model)}
-
-
-def tensor_paths(model: torch.nn.Module) -> dict[int, str]:
-    """id(tensor) -> full path for every parameter, buffer and plain tensor attribute of ``model``."""
-    return {ident: path for ident, (path, _) in module_tensors(model).items()}
-
-
-def format_bytes(n: int) -> str:
-    if abs(n) < 1000:
-        return f"{n} B"
-    value = float(n)
-    for unit in ("KB", "MB", "GB"):
-        value /= 1000
-        if abs(value) < 1000 or unit == "GB":
-            break
-    return f"{value:.1f} {unit}"

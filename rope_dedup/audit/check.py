@@ -14,11 +14,11 @@ from dataclasses import dataclass
 
 import torch
 
-from rope_dedup.applied import AppliedTable
-from rope_dedup.keys import infer_key
-from rope_dedup.recognize import RopeTable, value_tolerance
-from rope_dedup.report import format_table
-from rope_dedup.spec import RopeSpec
+from rope_dedup.audit.applied import AppliedTable
+from rope_dedup.tables.keys import infer_key
+from rope_dedup.tables.recognize import RopeTable, value_tolerance
+from rope_dedup.core.text import format_table
+from rope_dedup.audit.spec import RopeSpec
 
 MISMATCH_COLUMNS = ("layer", "field", "expected", "found", "worst position")
 

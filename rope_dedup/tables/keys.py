@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rope_dedup.recognize import RopeTable
+from rope_dedup.tables.recognize import RopeTable
 
 
 @dataclass(frozen=True)

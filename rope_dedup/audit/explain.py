@@ -1,10 +1,10 @@
 """The RoPE audit: what each layer's tables encode, which would share, and what was left alone and why.
 
 Without example inputs, :func:`explain` is static: it measures the tables the model holds
-(:mod:`rope_dedup.held`) and asks a dry-run :func:`~rope_dedup.share` what would share; no forward runs,
+(:mod:`rope_dedup.audit.held`) and asks a dry-run :func:`~rope_dedup.share` what would share; no forward runs,
 so it fits right after ``init_weights``. With inputs, it compiles the model once with a dry-run backend
 (nothing is aliased or rewritten) and runs the graphs once through
-:class:`~rope_dedup.applied.TableCapture` to see the tables each attention layer actually applies (its
+:class:`~rope_dedup.audit.applied.TableCapture` to see the tables each attention layer actually applies (its
 own, passed down from model level, or computed in forward). Both arrange what they found by layer: a user
 sees at a glance that layer 5 uses theta 1e6 while the others use 1e4. Told what was intended
 (``expect=``), the audit judges every table against that, by value, and names what differs.
@@ -20,14 +20,16 @@ from typing import Any, Callable
 
 import torch
 
-from rope_dedup.applied import AppliedTable, TableCapture, layer_of
+from rope_dedup.audit.applied import AppliedTable, TableCapture, layer_of
 from rope_dedup.backend import RopeDedupBackend
-from rope_dedup.check import MISMATCH_COLUMNS, Mismatch, RopeMismatch, check_table
-from rope_dedup.held import EmptySlot, held_tables
-from rope_dedup.keys import RopeKey
-from rope_dedup.report import DedupReport, Skip, format_bytes, format_table, tensor_paths
+from rope_dedup.audit.check import MISMATCH_COLUMNS, Mismatch, RopeMismatch, check_table
+from rope_dedup.audit.held import EmptySlot, held_tables
+from rope_dedup.tables.keys import RopeKey
+from rope_dedup.core.report import DedupReport, Skip
+from rope_dedup.core.text import format_bytes, format_table
+from rope_dedup.tensors import tensor_paths
 from rope_dedup.share import share
-from rope_dedup.spec import Expectation, RopeSpec, config_conflicts, expectation_for
+from rope_dedup.audit.spec import Expectation, RopeSpec, config_conflicts, expectation_for
 
 log = logging.getLogger("rope_dedup")
 
@@ -192,7 +194,7 @@ def explain(model: torch.nn.Module, *example_inputs: Any, expect: Expectation | 
 
     With no example inputs the audit is static and no forward runs: every buffer and plain tensor attribute
     holding a RoPE table (``inv_freq`` included) is measured, and slots that should hold one but hold
-    zeros, NaN or garbage are mismatches (:mod:`rope_dedup.held` states the rule). It is the line to put
+    zeros, NaN or garbage are mismatches (:mod:`rope_dedup.audit.held` states the rule). It is the line to put
     right after a model is built and initialized. With example inputs, the forward runs once under
     ``torch.no_grad()`` through ``torch.compile`` with a dry-run :class:`RopeDedupBackend` (inner
     ``eager``), so what the audit sees is what the pass would see; the graphs run through an interpreter

@@ -1,0 +1,1 @@
+"""What rides on the library: the ``rope-dedup`` command line, the memory profile, its plot, model factories."""
