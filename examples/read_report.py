@@ -10,7 +10,7 @@ import argparse
 
 import torch
 
-from rope_dedup import RopeDedupBackend
+from rope_dedup import RopeDedupBackend, SkipReason
 from rope_dedup.testing.toy_decoder import TableRecipe, ToyDecoder, homogeneous
 
 
@@ -30,7 +30,7 @@ def main() -> None:
         print(f"shared: {group.key}: {len(group.members)} tables, {group.bytes_before} -> {group.bytes_after} bytes")
         for member in group.members:
             print(f"    {member}")
-    rope_skips = [skip for skip in report.skipped if not skip.reason.startswith("trainable parameter")]
+    rope_skips = [skip for skip in report.skipped if skip.kind is not SkipReason.TRAINABLE]
     for skip in rope_skips:
         print(f"skipped: {skip.path}: {skip.reason}")
     print(f"({len(report.skipped) - len(rope_skips)} trainable parameters skipped too; errors: {report.errors or 'none'})")

@@ -15,7 +15,7 @@ from rope_dedup.passes.redirect_to_canonical import redirect_to_canonical
 from rope_dedup.tables.recognize import is_rope_table
 from rope_dedup.core.reload import guard_reload
 from rope_dedup.core.store import Action, CanonicalStore
-from rope_dedup.tensors import has_storage, storage_ptr
+from rope_dedup.tensors import Origin, has_storage, storage_ptr
 
 
 def dedup_rope(
@@ -67,8 +67,9 @@ def _share_tables(gm: torch.fx.GraphModule, example_inputs: Sequence | None, con
     kept: list[Candidate] = []
     watched: dict[int, WatchedInput] = {}
     for candidate in candidates:
-        how = WatchedInput(candidate.path, candidate.kind, written.get(candidate.node), candidate.persistent)
-        skipped = store.offer(candidate.tensor, *how).action is Action.SKIP
+        how = WatchedInput(candidate.path, written.get(candidate.node), candidate.persistent)
+        skipped = store.offer(candidate.tensor, name=how.path, written=how.written,
+                              persistent=how.persistent).action is Action.SKIP
         if not skipped:
             kept.append(candidate)
             if candidate.persistent and candidate.owner is not None:
@@ -92,7 +93,7 @@ def _worth_watching(candidate: Candidate) -> bool:
     report should name). Parameters are mostly weights, frozen ones included (say, under LoRA): watched
     only when this one is a RoPE table kept apart, so that the hot path does not grow with the weights.
     """
-    if candidate.kind != "parameter":
+    if candidate.kind is not Origin.PARAMETER:
         return True
     return not candidate.tensor.requires_grad and is_rope_table(candidate.tensor)
 

@@ -17,7 +17,7 @@ import torch.fx
 
 from rope_dedup.core.eligibility import in_state_dict
 from rope_dedup.core.sources import InputOrigin, attribute_origin, placeholder_origin
-from rope_dedup.tensors import local, memory_ptr, placement
+from rope_dedup.tensors import Origin, local, memory_ptr, placement
 
 
 @dataclass(frozen=True)
@@ -27,7 +27,7 @@ class Candidate:
     node: torch.fx.Node
     tensor: torch.Tensor
     path: str
-    kind: str  # buffer, parameter, attribute or global
+    kind: Origin
     input_index: int | None  # position in example_inputs for placeholders, None for get_attr
     persistent: bool = False  # saved in a state_dict: a parameter, or a persistent buffer (or one whose
     # module was not found)
@@ -43,7 +43,7 @@ def find_candidates(gm: torch.fx.GraphModule, example_inputs: Sequence | None = 
             if not isinstance(value, torch.Tensor):
                 continue
             origin = placeholder_origin(node)
-            if origin.kind == "input":
+            if origin.kind is Origin.INPUT:
                 continue
             candidates.append(_from_origin(node, value, origin, index))
     for node in gm.graph.nodes:
@@ -55,15 +55,15 @@ def find_candidates(gm: torch.fx.GraphModule, example_inputs: Sequence | None = 
         if not isinstance(value, torch.Tensor):
             continue
         origin = attribute_origin(gm, node.target)
-        if origin is not None and origin.kind != "input":  # freezing: dynamo knows the real owner
+        if origin is not None and origin.kind is not Origin.INPUT:  # freezing: dynamo knows the real owner
             candidates.append(_from_origin(node, value, origin, None))
             continue
         if attr in owner._parameters:
-            kind = "parameter"
+            kind = Origin.PARAMETER
         elif attr in owner._buffers:
-            kind = "buffer"
+            kind = Origin.BUFFER
         else:
-            kind = "attribute"
+            kind = Origin.ATTRIBUTE
         # symbolic_trace up to torch 2.13 registers every buffer it copies as persistent (the GraphModule's
         # state_dict has it); rope_dedup.symbolic_trace keeps the model's own choice.
         persistent = in_state_dict(kind, attr not in owner._non_persistent_buffers_set)
@@ -73,7 +73,7 @@ def find_candidates(gm: torch.fx.GraphModule, example_inputs: Sequence | None = 
 
 def _from_origin(node: torch.fx.Node, value: torch.Tensor, origin: InputOrigin, index: int | None) -> Candidate:
     """A candidate whose owner dynamo recorded (its source): path, kind and persistence come from there."""
-    kind = "parameter" if isinstance(value, torch.nn.Parameter) else origin.kind
+    kind = Origin.PARAMETER if isinstance(value, torch.nn.Parameter) else origin.kind
     return Candidate(node, value, origin.path, kind, index, in_state_dict(kind, origin.persistent), origin.owner)
 
 

@@ -243,7 +243,7 @@ def _replace(gm: torch.fx.GraphModule, constant: list[torch.fx.Node], representa
         for node in nodes:
             node.replace_all_uses_with(reader)
         name = f"{module_path(point) or 'forward'}:{point.name}"
-        status = store.offer(tensor, name, "attribute").action.value if store is not None else "canonical"
+        status = store.offer(tensor, name=name).action.value if store is not None else "canonical"
         folded.append(FoldedTable(attribute, name, tuple(n.name for n in nodes), status))
         log.debug("rope_dedup: folded %s (%d node(s)) into %s: %s", name, len(nodes), attribute, status)
     return folded

@@ -23,6 +23,7 @@ import torch
 import torch.fx
 from torch._dynamo.utils import counters
 
+from rope_dedup.tensors import Origin
 from rope_dedup.passes.find_candidates import find_candidates
 from rope_dedup.passes.find_pure_nodes import find_pure_nodes, node_key
 from rope_dedup.passes.pass_base import GraphPass, PassContext, RopePassResult, run_passes
@@ -79,7 +80,7 @@ def _kind(node: torch.fx.Node, kinds: dict[torch.fx.Node, str], pure: dict,
     if node.op in ("placeholder", "get_attr"):
         if is_table(node):
             return "table"
-        if node.op == "placeholder" and placeholder_origin(node).kind == "input":
+        if node.op == "placeholder" and placeholder_origin(node).kind is Origin.INPUT:
             return "input"
         return "other"
     if node not in pure:

@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
-from typing import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
 
 import torch.fx
-from torch.fx.passes.infra.pass_base import PassResult
 
 from rope_dedup.core.sources import WatchedInput
 from rope_dedup.core.report import DedupReport
@@ -46,13 +45,14 @@ class PassContext:
     redirect_inputs: bool = True
 
 
-class RopePassResult(PassResult):
+@dataclass(frozen=True)
+class RopePassResult:
     """The result of one rope_dedup pass, or of several run by :func:`run_passes` (then combined).
 
-    Besides ``graph_module`` and ``modified``:
+    ``graph_module`` and ``modified`` as in torch's ``PassResult``, and:
 
     - ``report``: the store's :class:`DedupReport` after the passes (None without a store);
-    - ``watched_inputs``: example-input position -> :class:`~rope_dedup.interning.WatchedInput`, the
+    - ``watched_inputs``: example-input position -> :class:`~rope_dedup.core.sources.WatchedInput`, the
       state inputs run-time interning offers to the store on first sight (from ``dedup_rope``);
     - ``merged_inputs``: groups of input positions whose uses now read the first one, valid only while
       they share memory, which the compiled callable checks on every call (from ``dedup_rope``);
@@ -61,25 +61,14 @@ class RopePassResult(PassResult):
     - ``seconds``: pass name -> seconds it took, lint and recompile included.
     """
 
-    report: DedupReport | None
-    watched_inputs: dict[int, WatchedInput]
-    merged_inputs: list[tuple[int, ...]]
-    merged_nodes: int
-    folded: list[FoldedTable]
-    seconds: dict[str, float]
-
-    def __new__(cls, graph_module: torch.fx.GraphModule, modified: bool, *, report: DedupReport | None = None,
-                watched_inputs: dict[int, WatchedInput] | None = None,
-                merged_inputs: Iterable[tuple[int, ...]] = (), merged_nodes: int = 0,
-                folded: Iterable[FoldedTable] = (), seconds: dict[str, float] | None = None) -> RopePassResult:
-        result = super().__new__(cls, graph_module, modified)
-        result.report = report
-        result.watched_inputs = dict(watched_inputs or {})
-        result.merged_inputs = list(merged_inputs)
-        result.merged_nodes = merged_nodes
-        result.folded = list(folded)
-        result.seconds = dict(seconds or {})
-        return result
+    graph_module: torch.fx.GraphModule
+    modified: bool
+    report: DedupReport | None = None
+    watched_inputs: dict[int, WatchedInput] = field(default_factory=dict)
+    merged_inputs: list[tuple[int, ...]] = field(default_factory=list)
+    merged_nodes: int = 0
+    folded: list[FoldedTable] = field(default_factory=list)
+    seconds: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

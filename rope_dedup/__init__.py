@@ -11,7 +11,7 @@ attention layer applies, and with ``expect=RopeSpec(...)`` or ``expect="config"`
 
 import torch
 
-# The releases the suite was run on (README, "Supported torch"); pyproject.toml declares the same range.
+# The releases the suite was run on (README, "Supported torch versions"); pyproject.toml declares the same range.
 SUPPORTED_TORCH = (2, 10), (2, 16)
 
 
@@ -35,6 +35,7 @@ from rope_dedup.audit.explain import Explanation, explain
 from rope_dedup.audit.spec import RopeSpec
 from rope_dedup.backend import RopeDedupBackend, rope_dedup_backend
 from rope_dedup.config import RopeDedupConfig
+from rope_dedup.core.eligibility import SkipReason
 from rope_dedup.core.report import DedupReport, Departed, Group, Skip
 from rope_dedup.export import dedup_exported
 from rope_dedup.passes.dedup_rope import dedup_rope
@@ -100,6 +101,7 @@ __all__ = [
     "RopePassResult",
     "RopeSpec",
     "Skip",
+    "SkipReason",
     "dedup_exported",
     "dedup_rope",
     "explain",

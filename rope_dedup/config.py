@@ -48,7 +48,7 @@ class RopeDedupConfig:
             options=...)``), forwarded under the same rules as ``mode``.
         share_persistent: also share tensors saved in a ``state_dict`` (persistent buffers, frozen
             parameters). Off by default: safetensors' ``save_file`` refuses tensors that share memory and
-            ``load_state_dict`` would write one table into every sharer (see the README, "Checkpoints").
+            ``load_state_dict`` would write one table into every sharer (see docs/sharing.md, "Checkpoints").
         fold_constants: evaluate a subgraph that reads no input and ends in a RoPE table once, at compile
             time, into one shared constant. None: :data:`COMPUTED_TABLE_DEFAULTS` for the inner backend.
         merge_computed: merge identical table computations that read buffers or positions. None: as above.

@@ -22,6 +22,7 @@ import torch.fx
 from torch.export import ExportedProgram
 from torch.export.graph_signature import ExportGraphSignature, InputKind, InputSpec, OutputKind
 
+from rope_dedup.tensors import Origin
 from rope_dedup.core.eligibility import in_state_dict
 from rope_dedup.passes.find_mutations import find_mutations
 from rope_dedup.passes.redirect_to_canonical import redirect_to_canonical
@@ -30,7 +31,8 @@ from rope_dedup.core.store import Action, CanonicalStore
 
 log = logging.getLogger("rope_dedup")
 
-_STATE_KINDS = {InputKind.PARAMETER: "parameter", InputKind.BUFFER: "buffer", InputKind.CONSTANT_TENSOR: "attribute"}
+_STATE_KINDS = {InputKind.PARAMETER: Origin.PARAMETER, InputKind.BUFFER: Origin.BUFFER,
+                InputKind.CONSTANT_TENSOR: Origin.ATTRIBUTE}
 
 
 def dedup_exported(ep: ExportedProgram, *, share_persistent: bool = False) -> ExportedProgram:
@@ -55,8 +57,8 @@ def dedup_exported(ep: ExportedProgram, *, share_persistent: bool = False) -> Ex
         tensor = _value(ep, spec)
         if spec.kind not in _STATE_KINDS or not isinstance(tensor, torch.Tensor):
             continue
-        kind = _STATE_KINDS[spec.kind]
-        offer = store.offer(tensor, spec.target, kind, written.get(spec.arg.name), in_state_dict(kind, spec.persistent))
+        offer = store.offer(tensor, name=spec.target, written=written.get(spec.arg.name),
+                            persistent=in_state_dict(_STATE_KINDS[spec.kind], spec.persistent))
         if offer.action is not Action.SKIP:
             offered.append((spec, tensor))
 

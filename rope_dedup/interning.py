@@ -84,7 +84,7 @@ class InterningCallable:
             return
         how = self._watched[position]
         try:
-            offer = self._store.offer(tensor, *how)
+            offer = self._store.offer(tensor, name=how.path, written=how.written, persistent=how.persistent)
         except Exception as error:  # never let bookkeeping break a forward pass
             log.warning("rope_dedup: run-time interning of %s failed, left unshared: %r", how.path, error)
             counters["rope_dedup"]["intern_errors"] += 1

@@ -26,7 +26,7 @@ from rope_dedup.core.eligibility import Refusal, SkipReason
 from rope_dedup.core.memory import TRIM_THRESHOLD_BYTES, release_if_freed
 from rope_dedup.core.reload import guard_reload
 from rope_dedup.core.report import DedupReport, Skip
-from rope_dedup.tensors import module_state
+from rope_dedup.tensors import Origin, module_state
 from rope_dedup.core.store import Action, CanonicalStore, Plan
 
 _SETTINGS = ("share_persistent", "dry_run", "release_memory")
@@ -180,7 +180,7 @@ class sharing:  # noqa: N801 (used as a context manager, like torch.no_grad)
         listed as skipped unless something else shared them."""
         report = self.backend.report_for(model)
         shared = {m for g in report.groups for m in g.members}
-        unseen = [Skip(path, SkipReason.UNSEEN_ATTRIBUTE.value, SkipReason.UNSEEN_ATTRIBUTE)
+        unseen = [Skip(path, Refusal(SkipReason.UNSEEN_ATTRIBUTE))
                   for path, tensor, kind, _, _ in module_state(model)
-                  if kind == "attribute" and path not in shared and (tensor.is_floating_point() or tensor.is_complex())]
+                  if kind is Origin.ATTRIBUTE and path not in shared and (tensor.is_floating_point() or tensor.is_complex())]
         return dataclasses.replace(report, skipped=report.skipped + unseen)

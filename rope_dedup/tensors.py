@@ -9,6 +9,7 @@ and this is the only module that reaches into DTensor's private ``_local_tensor`
 
 from __future__ import annotations
 
+import enum
 from typing import Iterator
 
 import torch
@@ -86,16 +87,29 @@ def same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a, b)
 
 
-def module_state(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor, str, bool, torch.nn.Module]]:
+class Origin(str, enum.Enum):
+    """Where a tensor comes from: module state of some kind, a global, or a forward input."""
+
+    PARAMETER = "parameter"
+    BUFFER = "buffer"
+    ATTRIBUTE = "attribute"  # a plain tensor attribute of a module (GPT-J's embed_positions)
+    GLOBAL = "global"
+    INPUT = "input"  # a forward input: never module state
+
+    def __str__(self) -> str:
+        return self.value
+
+
+def module_state(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor, Origin, bool, torch.nn.Module]]:
     """(first full path, tensor, kind, saved in the state_dict, owning module) for every parameter, buffer
     and plain tensor attribute of ``model``, each tensor object once."""
     seen: set[int] = set()
     for prefix, module in model.named_modules(remove_duplicate=False):
         dot = f"{prefix}." if prefix else ""
-        entries = [(name, t, "parameter", True) for name, t in module._parameters.items()]
-        entries += [(name, t, "buffer", name not in module._non_persistent_buffers_set)
+        entries = [(name, t, Origin.PARAMETER, True) for name, t in module._parameters.items()]
+        entries += [(name, t, Origin.BUFFER, name not in module._non_persistent_buffers_set)
                     for name, t in module._buffers.items()]
-        entries += [(name, t, "attribute", False) for name, t in vars(module).items() if isinstance(t, torch.Tensor)]
+        entries += [(name, t, Origin.ATTRIBUTE, False) for name, t in vars(module).items() if isinstance(t, torch.Tensor)]
         for name, tensor, kind, persistent in entries:
             if tensor is not None and id(tensor) not in seen:
                 seen.add(id(tensor))

@@ -8,7 +8,6 @@ import subprocess
 import sys
 import textwrap
 
-import torch
 
 from rope_dedup.core.eligibility import SkipReason
 from rope_dedup.core.store import CanonicalStore
@@ -48,15 +47,15 @@ def test_a_freed_table_offered_is_skipped_without_a_read() -> None:
     store = CanonicalStore()
     table = rope_tensors(ToyDecoder(homogeneous(1)))[0][1]
     table.untyped_storage().resize_(0)
-    assert store.offer(table, "cos").refusal.reason is SkipReason.FREED
+    assert store.offer(table, name="cos").refusal.reason is SkipReason.FREED
 
 
 def test_a_canonical_moved_to_meta_is_never_handed_out() -> None:
     store = CanonicalStore()
     first, second = ToyDecoder(homogeneous(2)), ToyDecoder(homogeneous(2))
-    [store.offer(table, name) for name, table in rope_tensors(first)]  # no loop variable left holding one
+    [store.offer(table, name=name) for name, table in rope_tensors(first)]  # no loop variable left holding one
     assert len({t.data_ptr() for _, t in rope_tensors(first)}) == 2
     first.to("meta")  # every module's table replaced by a meta one: the shared ones are collected
-    assert {store.offer(t, name).action.name for name, t in rope_tensors(first)} == {"SKIP"}
-    assert [store.offer(t, name).action.name for name, t in rope_tensors(second)] == ["NEW", "NEW", "JOIN", "JOIN"]
+    assert {store.offer(t, name=name).action.name for name, t in rope_tensors(first)} == {"SKIP"}
+    assert [store.offer(t, name=name).action.name for name, t in rope_tensors(second)] == ["NEW", "NEW", "JOIN", "JOIN"]
     assert set(store.departed) == {name for name, _ in rope_tensors(first)}

@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import expecttest
 import torch
 import torch.nn as nn
 from torch._dynamo.testing import EagerAndRecordGraphs, normalize_gm
-from torch.fx.passes.infra.pass_base import PassResult
 
-from rope_dedup import DedupReport, RopeDedupBackend, dedup_rope
+from rope_dedup import DedupReport, RopeDedupBackend, RopePassResult, dedup_rope
 from rope_dedup.passes.find_mutations import find_mutations
 from rope_dedup.core.store import CanonicalStore
 
@@ -64,7 +64,9 @@ class TestSymbolicTrace(expecttest.TestCase):
         expected = model(x)
         gm = torch.fx.symbolic_trace(model)
         result = dedup_rope(gm, share_persistent=True)
-        self.assertIsInstance(result, PassResult)
+        self.assertIsInstance(result, RopePassResult)  # a frozen dataclass with PassResult's two fields
+        with self.assertRaises(dataclasses.FrozenInstanceError):
+            result.modified = False
         self.assertTrue(result.modified)
         gm.graph.lint()
         self.assertExpectedInline(gm.code.strip(), """\

@@ -32,7 +32,7 @@ def test_decide_changes_nothing_and_apply_does_what_it_said() -> None:
     store.apply(join, twin, "b.cos")
     assert ptr(twin) == ptr(first)
     assert store.decide(twin).action is Action.KNOWN
-    assert store.offer(other, "c.cos").action is Action.NEW
+    assert store.offer(other, name="c.cos").action is Action.NEW
     assert [len(live) for _, live in store.snapshot()] == [2, 1]
 
 
@@ -46,7 +46,7 @@ def test_decide_changes_nothing_and_apply_does_what_it_said() -> None:
 ])
 def test_every_skip_has_its_reason_kind(tensor, written, persistent, reason) -> None:
     store = CanonicalStore()
-    plan = store.decide(tensor, written, persistent)
+    plan = store.decide(tensor, written=written, persistent=persistent)
     assert plan.action is Action.SKIP and plan.refusal.reason is reason
     store.apply(plan, tensor, "t")
     assert store.skipped["t"] == plan.refusal
@@ -56,8 +56,8 @@ def test_every_skip_has_its_reason_kind(tensor, written, persistent, reason) -> 
 def test_a_member_written_by_a_new_graph_is_released_first() -> None:
     store = CanonicalStore()
     first, twin = table(), table()
-    store.offer(first, "a.cos")
-    store.offer(twin, "b.cos")
+    store.offer(first, name="a.cos")
+    store.offer(twin, name="b.cos")
     plan = store.decide(twin, written="setitem")
     assert plan.action is Action.SKIP and plan.release_first and plan.refusal.reason is SkipReason.WRITTEN
     assert ptr(twin) == ptr(first)
@@ -70,7 +70,7 @@ def test_a_dry_run_records_the_same_groups_and_moves_no_storage() -> None:
     tables = {name: (table(), table()) for name in ("a.cos", "b.cos", "c.cos")}
     before = {name: ptr(pair[0]) for name, pair in tables.items()}
     for name, (for_dry, for_real) in tables.items():
-        assert dry.offer(for_dry, name).action is real.offer(for_real, name).action
+        assert dry.offer(for_dry, name=name).action is real.offer(for_real, name=name).action
     assert {name: ptr(pair[0]) for name, pair in tables.items()} == before
     assert len({ptr(pair[1]) for pair in tables.values()}) == 1
     assert [[m.name for _, m in live] for _, live in dry.snapshot()] == \

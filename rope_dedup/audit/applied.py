@@ -21,7 +21,7 @@ import torch.fx
 
 from rope_dedup.tables.keys import RopeKey, infer_key
 from rope_dedup.tables.recognize import RopeTable, recognize_rope_table
-from rope_dedup.tensors import tensor_paths
+from rope_dedup.tensors import Origin, tensor_paths
 from rope_dedup.core.sources import attribute_origin, module_path, placeholder_origin
 
 _MULTIPLY = {operator.mul, torch.mul, torch.Tensor.mul, "mul"}
@@ -147,7 +147,7 @@ class _Interpreter(torch.fx.Interpreter):
         path = self.paths.get(id(value))
         if path is None:
             origin = placeholder_origin(node) if node.op == "placeholder" else attribute_origin(self.module, node.target)
-            path = origin.path if origin is not None and origin.kind != "input" else None
+            path = origin.path if origin is not None and origin.kind is not Origin.INPUT else None
         if path is not None:
             self.state[node] = f"{path} ({str(value.dtype).removeprefix('torch.')})"
 

@@ -25,9 +25,8 @@ import torch
 from rope_dedup.audit.applied import AppliedTable, layer_of, table_parts
 from rope_dedup.tables.keys import infer_key
 from rope_dedup.tables.recognize import NotRope, RopeTable, recognize_rope_table
-from rope_dedup.tensors import module_state
 from rope_dedup.audit.spec import RopeSpec
-from rope_dedup.tensors import is_plain, local, readable
+from rope_dedup.tensors import Origin, is_plain, local, module_state, readable
 
 SLOT_NAMES = frozenset({"inv_freq", "cos", "sin", "cos_cached", "sin_cached", "freqs_cis", "rope_cache",
                         "cos_sin_cache", "embed_positions"})
@@ -57,7 +56,7 @@ def held_tables(model: torch.nn.Module, judge: Callable[[str, str], RopeSpec | N
     frequency vector is compared at and which unnamed slots count."""
     tables, empty = [], []
     for path, tensor, kind, _, _ in module_state(model):
-        if kind == "parameter":
+        if kind is Origin.PARAMETER:
             continue
         layer = layer_of(path.rpartition(".")[0])
         spec = judge(layer, path) if judge is not None else None

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rope_dedup.tensors import is_dtensor, is_plain, local, readable
+from rope_dedup.tensors import Origin, is_dtensor, is_plain, local, readable
 
 
 class SkipReason(enum.Enum):
@@ -54,10 +54,10 @@ class Refusal:
         return self.reason in (SkipReason.TRAINABLE, SkipReason.NOT_ROPE)
 
 
-def in_state_dict(kind: str, persistent: bool | None) -> bool:
+def in_state_dict(kind: Origin, persistent: bool | None) -> bool:
     """Whether module state of this kind is saved in a ``state_dict``: a parameter always, a buffer unless
     registered with ``persistent=False`` (``persistent`` None: not known, so assume saved)."""
-    return kind == "parameter" or (kind == "buffer" and persistent is not False)
+    return kind is Origin.PARAMETER or (kind is Origin.BUFFER and persistent is not False)
 
 
 def why_not_shareable(tensor: torch.Tensor, written: str | None, persistent: bool = False,

@@ -12,7 +12,7 @@ from typing import Iterable, Mapping, Sequence
 
 import torch
 
-from rope_dedup.core.eligibility import SkipReason
+from rope_dedup.core.eligibility import Refusal, SkipReason
 from rope_dedup.tables.keys import RopeKey
 from rope_dedup.core.store import base_name
 from rope_dedup.core.text import format_bytes, format_table
@@ -38,11 +38,19 @@ class Group:
 
 @dataclass(frozen=True)
 class Skip:
-    """A tensor the pass examined and left alone, and why (``kind`` to test, ``reason`` to read)."""
+    """A tensor the pass examined and left alone, and why: one :class:`Refusal` (a :class:`SkipReason` and
+    this tensor's detail), read as ``kind`` (the reason, to test) and ``reason`` (its message, to read)."""
 
     path: str
-    reason: str
-    kind: SkipReason
+    refusal: Refusal
+
+    @property
+    def kind(self) -> SkipReason:
+        return self.refusal.reason
+
+    @property
+    def reason(self) -> str:
+        return self.refusal.message
 
 
 @dataclass(frozen=True)
@@ -123,7 +131,7 @@ class DedupReport:
         skipped = []
         for path, refusal in store.skipped.items():
             named = sorted(full[id(t)] for t in store.skipped_tensors(path) if id(t) in full)
-            skipped += [Skip(p, refusal.message, refusal.reason) for p in (named or [path])]
+            skipped += [Skip(p, refusal) for p in (named or [path])]
         shared = {base_name(m.name) for _, live in store.snapshot() for _, m in live}
         shared |= {m for g in groups for m in g.members}
         return cls(groups, skipped, list(errors), _departed(store, shared, tensors))

@@ -13,6 +13,8 @@ from typing import Any, NamedTuple
 
 import torch.fx
 
+from rope_dedup.tensors import Origin
+
 # Containers whose keys are the next component of a module path, not components themselves.
 _CONTAINERS = {"_modules", "_buffers", "_parameters"}
 
@@ -26,7 +28,7 @@ class InputOrigin:
     """
 
     path: str
-    kind: str
+    kind: Origin
     persistent: bool | None = None
     owner: Any = None  # the module object holding a buffer or parameter, where it could be reached
 
@@ -50,24 +52,24 @@ def attribute_origin(gm: torch.fx.GraphModule, target: str) -> InputOrigin | Non
 def source_origin(source: Any, name: str) -> InputOrigin:
     """Describe the module state a dynamo source reads; ``name`` stands in where there is no source."""
     if source is None:
-        return InputOrigin(name, "input")
+        return InputOrigin(name, Origin.INPUT)
     root, steps = _steps(source)
     attributes = [name for how, name in steps if how == "attr"]
     names = [str(name) for _, name in steps if name not in _CONTAINERS]
     global_name = getattr(root, "global_name", None)
     if global_name is not None:
-        return InputOrigin(".".join([global_name, *names]), "global")
+        return InputOrigin(".".join([global_name, *names]), Origin.GLOBAL)
     if not attributes:  # a forward argument, possibly inside *args: an activation, not module state
-        return InputOrigin(getattr(root, "local_name", None) or name, "input")
+        return InputOrigin(getattr(root, "local_name", None) or name, Origin.INPUT)
     if "_parameters" in attributes:
-        return InputOrigin(".".join(names), "parameter", owner=_owner(root, steps, "_parameters"))
+        return InputOrigin(".".join(names), Origin.PARAMETER, owner=_owner(root, steps, "_parameters"))
     if "_buffers" in attributes:
         owner = _owner(root, steps, "_buffers")
         persistent = None
         if owner is not None:  # then a buffer name follows "_buffers" in the steps
             persistent = steps[steps.index(("attr", "_buffers")) + 1][1] not in owner._non_persistent_buffers_set
-        return InputOrigin(".".join(names), "buffer", persistent, owner)
-    return InputOrigin(".".join(names), "attribute")
+        return InputOrigin(".".join(names), Origin.BUFFER, persistent, owner)
+    return InputOrigin(".".join(names), Origin.ATTRIBUTE)
 
 
 def _steps(source: Any) -> tuple[Any, list[tuple[str, Any]]]:
@@ -145,9 +147,8 @@ def module_path(node: torch.fx.Node) -> str:
 
 
 class WatchedInput(NamedTuple):
-    """How to offer another tensor fed to the same graph input: the arguments the store got at compile time."""
+    """How to offer another tensor fed to the same graph input: what the store was told at compile time."""
 
     path: str
-    kind: str
     written: str | None
     persistent: bool

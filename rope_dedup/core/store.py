@@ -102,18 +102,18 @@ class CanonicalStore:
         return memory_ptr(tensor) in self._ptr_count
 
     # -- deciding and sharing -----------------------------------------------------------------------
-    def offer(self, tensor: torch.Tensor, name: str, kind: str = "buffer", written: str | None = None,
-              persistent: bool = False) -> Plan:
+    def offer(self, tensor: torch.Tensor, *, name: str, written: str | None = None, persistent: bool = False) -> Plan:
         """Share ``tensor`` with an equal canonical table if it is an unwritten RoPE table; else record why not.
 
-        ``kind`` (buffer, parameter, attribute, ...) is how the caller found it; the rules that decide
-        read the tensor itself. Returns the plan that was applied."""
+        ``name`` is what the report calls it; ``written`` how a graph writes it (None: only read);
+        ``persistent`` whether it is saved in a state_dict. The rules that decide read the tensor itself.
+        Returns the plan that was applied."""
         with self.lock:
-            plan = self.decide(tensor, written, persistent)
+            plan = self.decide(tensor, written=written, persistent=persistent)
             self.apply(plan, tensor, name)
         return plan
 
-    def decide(self, tensor: torch.Tensor, written: str | None = None, persistent: bool = False) -> Plan:
+    def decide(self, tensor: torch.Tensor, *, written: str | None = None, persistent: bool = False) -> Plan:
         """What :meth:`apply` would do with ``tensor``: reads the store and the tensor, and changes neither,
         except that members whose storage is gone are forgotten before a canonical table is read."""
         member = id(tensor) in self._group_of
