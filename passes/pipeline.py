@@ -31,8 +31,8 @@ CONSTRAINTS = [this_before_that_pass_constraint(DEDUP_ROPE, MERGE_ROPE_SUBGRAPHS
 
 def enabled_passes(config: RopeDedupConfig) -> list[GraphPass]:
     """The declared passes ``config`` turns on, in declared order (checked against the constraints)."""
-    fold, merge = config.computed_table_transforms()
-    off = {MERGE_ROPE_SUBGRAPHS.name: not merge, FOLD_ROPE_CONSTANTS.name: not fold}
+    computed = config.computed_table_transforms()
+    off = {MERGE_ROPE_SUBGRAPHS.name: not computed.merge, FOLD_ROPE_CONSTANTS.name: not computed.fold}
     passes = [p for p in PASSES if not off.get(p.name, False)]
     PassManager(passes, CONSTRAINTS).validate_constraints()
     return passes

@@ -12,7 +12,7 @@ import torch.fx
 from torch._dynamo.backends.registry import register_backend
 from torch._dynamo.utils import counters
 
-from rope_dedup.config import RopeDedupConfig
+from rope_dedup.config import ComputedTables, RopeDedupConfig
 from rope_dedup.interning import InterningCallable
 from rope_dedup.core.memory import release_if_freed
 from rope_dedup.passes.pipeline import run_pipeline
@@ -84,8 +84,8 @@ class RopeDedupBackend:
     def inner(self) -> str | Callable:
         return self.config.inner
 
-    def computed_table_transforms(self) -> tuple[bool, bool]:
-        """(fold constant RoPE subgraphs, merge identical ones) as this backend will apply them."""
+    def computed_table_transforms(self) -> ComputedTables:
+        """Whether this backend folds constant RoPE subgraphs and merges identical ones."""
         return self.config.computed_table_transforms()
 
     def _store_for(self, config: RopeDedupConfig) -> CanonicalStore:

@@ -15,7 +15,7 @@ import dataclasses
 import pickle
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, NamedTuple
 
 import torch
 
@@ -30,7 +30,14 @@ COMPUTED_TABLE_DEFAULTS: dict[str, tuple[bool, bool]] = {
     "inductor": (False, False),
 }
 
-_SELF_NAMES = ("rope_dedup",)  # an inner backend that is rope_dedup again would recurse
+_SELF_NAMES = ("rope_dedup",)
+
+
+class ComputedTables(NamedTuple):
+    """What happens to RoPE tables computed in ``forward``: folded into constants, merged when identical."""
+
+    fold: bool
+    merge: bool  # an inner backend that is rope_dedup again would recurse
 
 
 @dataclass(frozen=True)
@@ -178,18 +185,18 @@ class RopeDedupConfig:
         backward (a Persimmon model's gradients moved by 2e-7, bitwise equal with placeholders left apart,
         same table memory); other backends run the graph as written, and merging needs one node per table.
         """
-        return not self.dry_run and (self.inner != "inductor" or self.computed_table_transforms()[1])
+        return not self.dry_run and (self.inner != "inductor" or self.computed_table_transforms().merge)
 
-    def computed_table_transforms(self) -> tuple[bool, bool]:
-        """(fold constant RoPE subgraphs, merge identical ones) as the backend will apply them: never in a
-        dry run, which rewrites nothing."""
+    def computed_table_transforms(self) -> ComputedTables:
+        """Whether the backend folds constant RoPE subgraphs and merges identical ones: never in a dry run,
+        which rewrites nothing."""
         if self.dry_run:
-            return False, False
+            return ComputedTables(fold=False, merge=False)
         default = COMPUTED_TABLE_DEFAULTS.get(self.inner, (False, False)) if isinstance(self.inner, str) \
             else (False, False)
         fold = default[0] if self.fold_constants is None else self.fold_constants
         merge = default[1] if self.merge_computed is None else self.merge_computed
-        return fold, merge
+        return ComputedTables(fold, merge)
 
 
 def _rebuild_config(values: dict[str, Any]) -> RopeDedupConfig:

@@ -587,3 +587,25 @@ def test_a_half_precision_table_upcast_is_judged_at_the_precision_it_carries(hal
         upcast = table.to(dtype)
         assert isinstance(recognize_rope_table(upcast), RopeTable), dtype
         assert infer_key(recognize_rope_table(upcast), upcast).theta == pytest.approx(5e5, rel=0.02)
+
+
+def test_layouts_and_scalings_are_typed_values_that_read_as_their_names() -> None:
+    import copy
+    import pickle
+
+    from rope_dedup.tables.layout import COMPLEX, FREQUENCIES, Arrangement, Layout, MeasuredScaling, Part, Repeat
+
+    halves = Layout.columns(Part.COS, Part.SIN, repeat=Repeat.HALVES)
+    assert halves == "cos-halves|sin-halves" and halves.parts == (Part.COS, Part.SIN) and halves.single is None
+    assert Layout.stacked(Part.SIN, Part.COS) == "stacked(sin,cos)" and (COMPLEX, FREQUENCIES) == ("complex", "inv_freq")
+    bent = MeasuredScaling(bend="low/8 #a1b2c3", mscale=1.2)
+    assert bent == "nonuniform low/8 #a1b2c3, mscale 1.2" and bent.bends_frequencies
+    assert not MeasuredScaling(mscale=1.2).bends_frequencies
+    for value in (halves, bent):
+        for twin in (pickle.loads(pickle.dumps(value)), copy.deepcopy(value)):
+            assert twin == value and vars(twin) == vars(value)
+    _, cached = toy.rope_tensors(toy.ToyDecoder(toy.homogeneous(1, layout="hf_halves", scaling="linear")))[0]
+    found = recognize_rope_table(cached)
+    assert found.layout.arrangement is Arrangement.COLUMNS and found.layout.single is Part.COS
+    assert found.layout.repeat is Repeat.HALVES
+    assert infer_key(found, cached).scaling.linear_factor == 4.0

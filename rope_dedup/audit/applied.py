@@ -19,7 +19,9 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.fx
 
+from rope_dedup.audit.layers import layer_of
 from rope_dedup.tables.keys import RopeKey, infer_key
+from rope_dedup.tables.layout import Arrangement, Layout, Part, Repeat
 from rope_dedup.tables.recognize import RopeTable, recognize_rope_table
 from rope_dedup.tensors import Origin, tensor_paths
 from rope_dedup.core.sources import attribute_origin, module_path, placeholder_origin
@@ -216,7 +218,8 @@ def _measure(candidate: _Candidate) -> tuple[str, torch.Tensor, torch.Tensor] | 
             rows = batch[first.to(batch.device)]
         found = recognize_rope_table(rows)
         if isinstance(found, RopeTable) and found.length is not None:
-            kind = found.layout.split("-")[0] if found.layout.split("-")[0] in ("cos", "sin") else found.layout
+            single = found.layout.single
+            kind = single.value if single in (Part.COS, Part.SIN) else str(found.layout)
             return kind, rows, positions
     return None
 
@@ -245,31 +248,19 @@ def _applied(candidate: _Candidate, rows: torch.Tensor, positions: torch.Tensor)
     )
 
 
-def table_parts(rows: torch.Tensor, layout: str) -> dict[str, torch.Tensor]:
+def table_parts(rows: torch.Tensor, layout: Layout) -> dict[str, torch.Tensor]:
     """A recognized (positions, width) table as float64 ``cos`` / ``sin`` / ``angle`` blocks of unique columns."""
-    if layout == "complex":
+    if layout.arrangement is Arrangement.COMPLEX:
         rows = rows.to(torch.complex128)
         return {"cos": rows.real, "sin": rows.imag}
     rows = rows.to(torch.float64)
-    if layout.startswith("stacked("):
-        first, second = layout[len("stacked("):-1].split(",")
-        return {first: rows[..., 0], second: rows[..., 1]}
-    blocks = layout.split("|")
+    if layout.arrangement is Arrangement.STACKED:
+        return {part.value: rows[..., i] for i, part in enumerate(layout.parts)}
     parts = {}
-    for block, piece in zip(blocks, rows.split(rows.shape[-1] // len(blocks), dim=-1)):
-        kind, _, mode = block.partition("-")
-        if mode == "halves":
+    for part, piece in zip(layout.parts, rows.split(rows.shape[-1] // len(layout.parts), dim=-1)):
+        if layout.repeat is Repeat.HALVES:
             piece = piece[:, : piece.shape[-1] // 2]
-        elif mode == "interleaved":
+        elif layout.repeat is Repeat.INTERLEAVED:
             piece = piece[:, 0::2]
-        parts[kind] = piece
+        parts[part.value] = piece
     return parts
-
-
-def layer_of(module: str) -> str:
-    """The layer a module belongs to: its path up to the first numeric component, else the path itself."""
-    parts = module.split(".") if module else []
-    for i, part in enumerate(parts):
-        if part.isdigit():
-            return ".".join(parts[: i + 1])
-    return module or "(model)"

@@ -16,6 +16,7 @@ import torch
 
 from rope_dedup.audit.applied import AppliedTable
 from rope_dedup.tables.keys import infer_key
+from rope_dedup.tables.layout import FREQUENCIES
 from rope_dedup.tables.recognize import RopeTable, value_tolerance
 from rope_dedup.core.text import format_table
 from rope_dedup.audit.spec import RopeSpec
@@ -112,8 +113,7 @@ def _diagnose(applied: AppliedTable, spec: RopeSpec, inv_freq: torch.Tensor, amp
         return "scaling", str(spec.scaling), "none"
     if reproduces(RopeSpec(found.theta, scaling=spec.scaling).frequencies(dim, seq_len)[0]):
         return "theta", _g(spec.theta), _g(found.theta)
-    bent = found.scaling is not None and any(word in found.scaling for word in ("linear", "nonuniform"))
-    if spec.scaling is None and bent:  # the head of a bent table pins theta poorly: the scaling is the news
+    if spec.scaling is None and found.scaling is not None and found.scaling.bends_frequencies:  # the head of a bent table pins theta poorly: the scaling is the news
         return "scaling", "none", found.scaling
     expected_key = infer_key(_exact_table(inv_freq), inv_freq)
     if abs(found.theta / expected_key.theta - 1) > 1e-3:
@@ -124,7 +124,7 @@ def _diagnose(applied: AppliedTable, spec: RopeSpec, inv_freq: torch.Tensor, amp
 def _exact_table(inv_freq: torch.Tensor) -> RopeTable:
     """A :class:`RopeTable` of known frequencies, to name them with :func:`infer_key` as a measured one is."""
     n = inv_freq.numel()
-    return RopeTable(layout="inv_freq", freqs=inv_freq, reliable=torch.ones(n, dtype=torch.bool),
+    return RopeTable(layout=FREQUENCIES, freqs=inv_freq, reliable=torch.ones(n, dtype=torch.bool),
                      freq_tol=1e-12 * inv_freq + 1e-300, amplitude=1.0, length=None)
 
 

@@ -20,7 +20,8 @@ from typing import Any, Callable
 
 import torch
 
-from rope_dedup.audit.applied import AppliedTable, TableCapture, layer_of
+from rope_dedup.audit.applied import AppliedTable, TableCapture
+from rope_dedup.audit.layers import MODEL, layers_of, natural_order, split_layer
 from rope_dedup.backend import RopeDedupBackend
 from rope_dedup.audit.check import MISMATCH_COLUMNS, Mismatch, RopeMismatch, check_table
 from rope_dedup.audit.held import EmptySlot, held_tables
@@ -270,7 +271,7 @@ def _arrange(report: DedupReport, model: torch.nn.Module, applied: list[AppliedT
     applied_by_layer: dict[str, list[AppliedTable]] = {}
     for table in applied:
         applied_by_layer.setdefault(table.layer, []).append(table)
-    names = sorted(set(by_layer) | set(applied_by_layer), key=_natural)
+    names = sorted(set(by_layer) | set(applied_by_layer), key=natural_order)
     # Layers are compared by what they apply when anything was seen applied, else by what they hold.
     if applied_by_layer:
         signatures = {layer: _signature((t.kinds, t.key) for t in tables) for layer, tables in applied_by_layer.items()}
@@ -301,7 +302,7 @@ def _arrange(report: DedupReport, model: torch.nn.Module, applied: list[AppliedT
                                                                   f"{slot.path}: {slot.found}", None)
     if judge is not None and not applied and not empty:
         found = "no RoPE table held by the model" if static else "no RoPE table applied"
-        mismatches[("(model)", "rope")] = Mismatch("(model)", "rope", "RoPE applied in attention layers", found, None)
+        mismatches[(MODEL, "rope")] = Mismatch(MODEL, "rope", "RoPE applied in attention layers", found, None)
     parameters = {name for name, _ in model.named_parameters(remove_duplicate=False)}
     skipped = tuple(s for s in report.skipped if s.path not in parameters)
     seen = {m for g in report.groups for m in g.members} | {s.path for s in report.skipped}
@@ -318,18 +319,6 @@ def _arrange(report: DedupReport, model: torch.nn.Module, applied: list[AppliedT
         judged=judge is not None,
         static=static,
     )
-
-
-def split_layer(path: str) -> tuple[str, str]:
-    """``layers.5.attention.rope.cos`` -> (``layers.5``, ``attention.rope.cos``); no index: (owner, attribute)."""
-    owner, _, attribute = path.rpartition(".")
-    layer = layer_of(owner)
-    return layer, path[len(layer) + 1:] if path.startswith(layer + ".") else attribute
-
-
-def layers_of(paths: tuple[str, ...] | list[str]) -> list[str]:
-    """Distinct layers of ``paths``, in model order."""
-    return sorted({split_layer(p)[0] for p in paths}, key=_natural)
 
 
 def key_cells(key: RopeKey) -> list[str]:
@@ -406,8 +395,3 @@ def _letter(index: int) -> str:
         index, rest = divmod(index - 1, 26)
         letters = chr(ord("A") + rest) + letters
     return letters
-
-
-def _natural(path: str) -> tuple:
-    """Sort ``layers.10`` after ``layers.9``."""
-    return tuple((0, int(p), "") if p.isdigit() else (1, 0, p) for p in path.split("."))

@@ -22,8 +22,10 @@ from typing import Callable
 
 import torch
 
-from rope_dedup.audit.applied import AppliedTable, layer_of, table_parts
+from rope_dedup.audit.applied import AppliedTable, table_parts
+from rope_dedup.audit.layers import layer_of
 from rope_dedup.tables.keys import infer_key
+from rope_dedup.tables.layout import Arrangement
 from rope_dedup.tables.recognize import NotRope, RopeTable, recognize_rope_table
 from rope_dedup.audit.spec import RopeSpec
 from rope_dedup.tensors import Origin, is_plain, local, module_state, readable
@@ -76,7 +78,7 @@ def _measured(layer: str, path: str, tensor: torch.Tensor, found: RopeTable,
     """The table as :class:`AppliedTable` rows by position; None for shapes the audit does not compare
     (per-sequence tables)."""
     values = tensor.detach().squeeze()
-    if found.layout == "inv_freq":
+    if found.layout.arrangement is Arrangement.FREQUENCIES:
         # Model code turns frequencies into angles in float32 whatever their dtype: that is what it applies.
         length = _FREQUENCY_POSITIONS
         if spec is not None and spec.scaling is not None and spec.scaling.type == "dynamic":
@@ -85,7 +87,7 @@ def _measured(layer: str, path: str, tensor: torch.Tensor, found: RopeTable,
         parts = {"angle": positions[:, None].to(torch.float64) * values.to(torch.float64)}
         return AppliedTable(layer, path, found, infer_key(found, tensor), parts, positions,
                             dtype=torch.float32, angle_dtype=tensor.dtype)
-    stacked = found.layout.startswith("stacked(")
+    stacked = found.layout.arrangement is Arrangement.STACKED
     if values.dim() != (3 if stacked else 2):
         return None
     rows = found.filled or values.shape[0]

@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import fnmatch
 import math
-import re
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Mapping, Union
 
 import torch
+
+from rope_dedup.audit.layers import layer_index
 
 SCALING_TYPES = ("linear", "dynamic", "llama3", "yarn", "longrope")
 # Parameters each scaling type cannot do without (the others have transformers' defaults).
@@ -331,12 +332,6 @@ def _parse_scaling(text: str) -> Scaling:
         return Scaling(kind, **parsed)
     except SpecError as error:
         raise SpecError(f"--expect: {error} (scaling={kind}:{':'.join(names)})") from None
-
-
-def layer_index(layer: str) -> int | None:
-    """``model.layers.5`` -> 5: the last numeric component of a layer name."""
-    numbers = re.findall(r"(?:^|\.)(\d+)(?=\.|$)", layer)
-    return int(numbers[-1]) if numbers else None
 
 
 def _frequencies(theta: float, dim: int, scaling: Scaling | None, attention_factor: float | None,

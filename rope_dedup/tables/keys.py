@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from rope_dedup.tables.layout import Layout, MeasuredScaling
 from rope_dedup.tables.recognize import RopeTable
 
 
@@ -32,8 +33,8 @@ class RopeKey:
     length: int | None
     dtype: torch.dtype
     device: torch.device
-    layout: str
-    scaling: str | None = None
+    layout: Layout
+    scaling: MeasuredScaling | None = None
     filled: int | None = None  # a cache being filled: positions written so far, of ``length``
 
     def __str__(self) -> str:
@@ -83,21 +84,20 @@ def infer_key(table: RopeTable, tensor: torch.Tensor) -> RopeKey:
     intercept, slope = _weighted_line(index, log_f, weights)
     geometric = torch.exp(intercept + slope * index)
     deviation = (safe / geometric - 1).abs()
-    scaling: list[str] = []
+    linear, bend = None, None
     if bool((deviation[reliable] <= 4 * rel_tol[reliable] + 1e-6).all()):
         # bf16/fp16 frequencies pin f_0 only to their own precision: a smaller offset is rounding, not scaling.
         if abs(math.exp(intercept) - 1) > max(1e-4, _intercept_error(index, weights)):
-            scaling.append(f"linear x{_round_sig(math.exp(-intercept)):g}")
+            linear = _round_sig(math.exp(-intercept))
         else:
             # f_0 = 1: fit the line through it, which pins theta better than a free intercept.
             slope = float((weights * index * log_f).sum() / (weights * index**2).sum())
     else:
-        intercept, slope, profile = _head_fit(index, log_f, weights, reliable)
-        scaling.append(profile)
-    if table.rough:
-        scaling.append("theta approximate (too few positions)")
-    if abs(table.amplitude - 1) > 1e-3:
-        scaling.append(f"mscale {_round_sig(table.amplitude):g}")
+        intercept, slope, bend = _head_fit(index, log_f, weights, reliable)
+    mscale = _round_sig(table.amplitude) if abs(table.amplitude - 1) > 1e-3 else None
+    scaling = None
+    if linear is not None or bend is not None or table.rough or mscale is not None:
+        scaling = MeasuredScaling(linear_factor=linear, bend=bend, mscale=mscale, rough=table.rough)
     theta = math.exp(-slope * n)
     return RopeKey(
         theta=_round_sig(theta),
@@ -106,7 +106,7 @@ def infer_key(table: RopeTable, tensor: torch.Tensor) -> RopeKey:
         dtype=tensor.dtype,
         device=tensor.device,
         layout=table.layout,
-        scaling=", ".join(scaling) or None,
+        scaling=scaling,
         filled=table.filled,
     )
 
@@ -129,4 +129,4 @@ def _head_fit(index, log_f, weights, reliable) -> tuple[float, float, str]:
     low = math.exp(-float(bend[last]))
     bend_milli = torch.round(bend[reliable] * 1e3).to(torch.int64).tolist()  # plain ints: torch needs no numpy
     digest = hashlib.sha1(repr(bend_milli).encode()).hexdigest()[:6]
-    return intercept, slope, f"nonuniform low/{_round_sig(low, 3):g} #{digest}"
+    return intercept, slope, f"low/{_round_sig(low, 3):g} #{digest}"

@@ -24,6 +24,7 @@ from typing import Iterator
 
 import torch
 
+from rope_dedup.tables.layout import COMPLEX, FREQUENCIES, Layout, Part, Repeat
 from rope_dedup.tensors import is_plain, local
 
 # Positions the rebuild check looks at in a long table (all of them in a short one).
@@ -40,7 +41,7 @@ _ANGLE_REL_ERR = 1e-6
 class RopeTable:
     """What a recognized table encodes: layout, measured frequencies, amplitude and length."""
 
-    layout: str
+    layout: Layout
     freqs: torch.Tensor  # float64 (n,), radians per position, measured from the content
     reliable: torch.Tensor  # bool (n,): columns whose angle moved far enough to measure f well
     freq_tol: torch.Tensor  # float64 (n,): absolute bound on the error of each measured frequency
@@ -159,16 +160,15 @@ def _recognize(x: torch.Tensor, tensor: torch.Tensor) -> RopeTable | NotRope:
         if x.dim() != 2:
             return NotRope(f"complex tensor of shape {tuple(tensor.shape)} is not (positions, freqs)")
         pairs = torch.view_as_real(x)
-        return _from_parts("complex", {"cos": pairs[..., 0], "sin": pairs[..., 1]}, eps)
+        return _from_parts(COMPLEX, {Part.COS: pairs[..., 0], Part.SIN: pairs[..., 1]}, eps)
     if x.dim() == 1:
         return _from_inv_freq(_f64(x), eps, floor)
     if x.dim() == 3 and x.shape[-1] == 2:
         first, second = x[..., 0], x[..., 1]
         names = (_kind(first, eps, floor), _kind(second, eps, floor))
-        if set(names) != {"cos", "sin"}:
+        if set(names) != {Part.COS, Part.SIN}:
             return NotRope("last dim of 2 does not stack a cos and a sin table")
-        layout = f"stacked({names[0]},{names[1]})"
-        return _from_parts(layout, {names[0]: first, names[1]: second}, eps)
+        return _from_parts(Layout.stacked(*names), {names[0]: first, names[1]: second}, eps)
     if x.dim() == 2:
         return _from_columns(x, eps, floor)
     return NotRope(f"shape {tuple(tensor.shape)} is not a rotary table layout")
@@ -184,7 +184,7 @@ def _first_row_plausible(row: torch.Tensor) -> bool:
     return big.numel() == 0 or bool(((big - big[0]).abs() <= 1e-2 * big[0].abs()).all())
 
 
-def _kind(part: torch.Tensor, eps: float, floor: float) -> str | None:
+def _kind(part: torch.Tensor, eps: float, floor: float) -> Part | None:
     """Classify a (L, n) block by its first rows: cos starts at A, sin at 0, angle at 0 and grows linearly."""
     if part.shape[0] < 2:
         return None
@@ -193,28 +193,28 @@ def _kind(part: torch.Tensor, eps: float, floor: float) -> str | None:
     if scale == 0:
         return None
     if (row0 - row0[0]).abs().max().item() <= 1e-2 * scale and row0[0].item() > 0:
-        return "cos"
+        return Part.COS
     if row0.abs().max().item() <= 1e-2 * scale:
         last = part.shape[0] - 1
         # Both rows are rounded to the table's dtype (row 1 of slow columns to subnormals in fp16): fixed
         # tolerances would turn half-precision angle tables into "sin".
         rtol, atol = max(1e-3, 4 * eps), max(1e-6, last * floor)
         if last >= 2 and torch.allclose(_f64(part[last]), _f64(part[1]) * last, rtol=rtol, atol=atol):
-            return "angle"
-        return "sin"
+            return Part.ANGLE
+        return Part.SIN
     return None
 
 
-def _repeat_mode(part: torch.Tensor) -> tuple[str, torch.Tensor]:
-    """Detect HF's cat([f, f]) ("halves") and the interleaved repeat; return the mode and the unique columns."""
+def _repeat_mode(part: torch.Tensor) -> tuple[Repeat, torch.Tensor]:
+    """Detect HF's cat([f, f]) (halves) and the interleaved repeat; return the mode and the unique columns."""
     width = part.shape[-1]
     if width % 2 == 0 and width >= 4:
         half = width // 2
         if _equal(part[:, :half], part[:, half:]):
-            return "halves", part[:, :half]
+            return Repeat.HALVES, part[:, :half]
         if _equal(part[:, 0::2], part[:, 1::2]):
-            return "interleaved", part[:, 0::2]
-    return "", part
+            return Repeat.INTERLEAVED, part[:, 0::2]
+    return Repeat.NONE, part
 
 
 def _from_columns(x: torch.Tensor, eps: float, floor: float) -> RopeTable | NotRope:
@@ -222,8 +222,7 @@ def _from_columns(x: torch.Tensor, eps: float, floor: float) -> RopeTable | NotR
     whole = _kind(x, eps, floor)
     if whole is not None:
         mode, cols = _repeat_mode(x)
-        layout = whole + (f"-{mode}" if mode else "")
-        found = _from_parts(layout, {whole: cols}, eps)
+        found = _from_parts(Layout.columns(whole, repeat=mode), {whole: cols}, eps)
         if isinstance(found, RopeTable) or x.shape[-1] % 2:
             return found
     else:
@@ -231,17 +230,15 @@ def _from_columns(x: torch.Tensor, eps: float, floor: float) -> RopeTable | NotR
     if x.shape[-1] % 2 == 0:
         left, right = x.split(x.shape[-1] // 2, dim=-1)
         names = (_kind(left, eps, floor), _kind(right, eps, floor))
-        if set(names) == {"cos", "sin"}:
+        if set(names) == {Part.COS, Part.SIN}:
             (mode_l, left), (mode_r, right) = _repeat_mode(left), _repeat_mode(right)
             if mode_l == mode_r:
-                suffix = f"-{mode_l}" if mode_l else ""
-                layout = f"{names[0]}{suffix}|{names[1]}{suffix}"
-                return _from_parts(layout, {names[0]: left, names[1]: right}, eps)
+                return _from_parts(Layout.columns(*names, repeat=mode_l), {names[0]: left, names[1]: right}, eps)
     # Not two blocks side by side: the reason the whole table failed is the one to report.
     return found
 
 
-def _from_parts(layout: str, parts: dict[str, torch.Tensor], eps: float) -> RopeTable | NotRope:
+def _from_parts(layout: Layout, parts: dict[Part, torch.Tensor], eps: float) -> RopeTable | NotRope:
     """Measure frequencies and amplitude from cos and/or sin (or angle) blocks, then rebuild and compare."""
     any_part = next(iter(parts.values()))
     length, n = any_part.shape
@@ -249,7 +246,7 @@ def _from_parts(layout: str, parts: dict[str, torch.Tensor], eps: float) -> Rope
         return NotRope("a single position: too short to identify")
     if n < 2:
         return NotRope("fewer than 2 frequencies: too few to identify")
-    cos, sin, angle = parts.get("cos"), parts.get("sin"), parts.get("angle")
+    cos, sin, angle = parts.get(Part.COS), parts.get(Part.SIN), parts.get(Part.ANGLE)
     if angle is not None:
         amplitude = 1.0
         # Per column: an angle table rounds each value relatively, so a slow column is as exact as a fast one.
@@ -392,7 +389,7 @@ def _checked_rows(part: torch.Tensor, width: int) -> list[torch.Tensor]:
     return list(rows.split(_chunk_rows(part, width)))
 
 
-def _rebuild_matches(parts: dict[str, torch.Tensor], freqs: torch.Tensor, amplitude: float, eps: float) -> bool:
+def _rebuild_matches(parts: dict[Part, torch.Tensor], freqs: torch.Tensor, amplitude: float, eps: float) -> bool:
     """Rebuild every block in float64 from (freqs, amplitude) and compare within dtype + angle precision,
     a chunk of the checked rows at a time."""
     any_part = next(iter(parts.values()))
@@ -400,11 +397,11 @@ def _rebuild_matches(parts: dict[str, torch.Tensor], freqs: torch.Tensor, amplit
         angles = rows.to(torch.float64)[:, None] * freqs
         for name, part in parts.items():
             part = _f64(part[rows])
-            if name == "angle":
+            if name is Part.ANGLE:
                 rounding = 3 * eps * max(amplitude, 1.0) * (1 + angles.abs())
                 ok = (part - angles).abs() <= rounding + _ANGLE_REL_ERR * angles.abs()
             else:
-                rebuilt = amplitude * (torch.cos(angles) if name == "cos" else torch.sin(angles))
+                rebuilt = amplitude * (torch.cos(angles) if name is Part.COS else torch.sin(angles))
                 ok = (part - rebuilt).abs() <= _value_tolerance(eps, amplitude, angles)
             if not bool(ok.all()):
                 return False
@@ -441,7 +438,7 @@ def _from_inv_freq(x: torch.Tensor, eps: float, floor: float) -> RopeTable | Not
     if ratios.numel() > 1 and (ratios - ratios[0]).abs().max().item() > 8 * eps + 1e-6:
         return NotRope("leading frequencies are not a geometric progression")
     return RopeTable(
-        layout="inv_freq",
+        layout=FREQUENCIES,
         freqs=x.cpu(),
         reliable=torch.ones(n, dtype=torch.bool),
         freq_tol=4 * eps * x + floor,  # fp16 keeps the slowest frequencies of a large theta as subnormals
