@@ -25,7 +25,7 @@ from dataclasses import replace
 from typing import Callable
 
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from helpers import build, compile_model, unwrap
 from torch._dynamo.utils import counters
@@ -164,6 +164,15 @@ def own_storage(case, model: torch.nn.Module) -> set[int]:
     return {id(t) for name, t in rope_tensors(model) if name in saved}
 
 
+def unread_after_a_move(case, model: torch.nn.Module) -> set[int]:
+    """ids of the filled caches' ``freqs`` once a move gave the model new tensors: only the forward that
+    fills a cache reads them, so no graph offers the new ones and each keeps its own storage."""
+    if not any(step in ("to_empty", "meta", "float64") for step in case["steps"]):
+        return set()
+    return {id(t) for name, t in rope_tensors(model)
+            if name.endswith(".freqs") and model.get_submodule(name.rpartition(".")[0]).spec.layout == "filled_cache"}
+
+
 def keeps_every_promise(case) -> None:
     torch._dynamo.reset()
     counters.clear()
@@ -174,7 +183,7 @@ def keeps_every_promise(case) -> None:
     plain_graphs = counters["stats"]["unique_graphs"]
     # From the model run without the pass: filled caches hold their content only after a forward.
     plain_model = unwrap(plain_model)
-    own = own_storage(case, plain_model)
+    own = own_storage(case, plain_model) | unread_after_a_move(case, plain_model)
     ideal = ideal_storages(plain_model, keeps_own=lambda t: moving_frequencies(t) < 2 or id(t) in own)
 
     torch._dynamo.reset()
@@ -250,6 +259,17 @@ def share_keeps_every_promise(case) -> None:
     assert not report.errors
 
 
+def found_by_the_long_run(inner: str) -> list[dict]:
+    """Sequences the 500-example run failed on, run first every time. Two filled caches around a plain table,
+    per-block compile with graph breaks: after ``free`` the refilled cache of the second layer pointed at
+    the canonical's memory without being a member (unreported, and unshare() would have missed it);
+    after ``to_empty`` the new ``freqs`` are read by no graph."""
+    cos_sin, filled = TableRecipe(max_len=16), TableRecipe(layout="filled_cache", max_len=16)
+    return [{"specs": [cos_sin, cos_sin, filled, cos_sin, filled], "graph_break": True, "regional": True,
+             "inner": inner, "seed": 18888, "steps": [step], "share_persistent": False}
+            for step in ("free", "to_empty")]
+
+
 def random_decoders(inner: str, tenths: int):
     """A property test over ``tenths``/10 of the examples, all compiled with ``inner``."""
     @settings(max_examples=max(1, EXAMPLES * tenths // 10), deadline=None, derandomize=True, database=None,
@@ -257,6 +277,9 @@ def random_decoders(inner: str, tenths: int):
     @given(decoders(inner))
     def test(case) -> None:
         (share_keeps_every_promise if inner == "share" else keeps_every_promise)(case)
+    if inner in ("eager", "aot_eager"):
+        for case in found_by_the_long_run(inner):
+            test = example(case)(test)
     return test
 
 
