@@ -185,6 +185,11 @@ def keeps_every_promise(case) -> None:
     plain_model = unwrap(plain_model)
     own = own_storage(case, plain_model) | unread_after_a_move(case, plain_model)
     ideal = ideal_storages(plain_model, keeps_own=lambda t: moving_frequencies(t) < 2 or id(t) in own)
+    # A reload that brings every member of a group the same value keeps the group shared, whatever the
+    # value: a filled cache reloaded with a fresh model's zeros stays one storage. Then tables with fewer
+    # than two moving frequencies may share by value too.
+    reloaded_groups = ideal_storages(plain_model, keeps_own=lambda t: id(t) in own) \
+        if any(step.startswith("reload") for step in case["steps"]) else ideal
 
     torch._dynamo.reset()
     counters.clear()
@@ -200,7 +205,7 @@ def keeps_every_promise(case) -> None:
         torch.testing.assert_close(got, want, rtol=0, atol=0)
     assert counters["stats"]["unique_graphs"] == plain_graphs
     tables = rope_tensors(model)
-    assert len({t.untyped_storage().data_ptr() for _, t in tables}) == ideal
+    assert reloaded_groups <= len({t.untyped_storage().data_ptr() for _, t in tables}) <= ideal
     written_ptrs = [t.untyped_storage().data_ptr() for name, t in tables if written(name)]
     assert len(set(written_ptrs)) == len(written_ptrs)
     for name, t in tables:
@@ -263,11 +268,16 @@ def found_by_the_long_run(inner: str) -> list[dict]:
     """Sequences the 500-example run failed on, run first every time. Two filled caches around a plain table,
     per-block compile with graph breaks: after ``free`` the refilled cache of the second layer pointed at
     the canonical's memory without being a member (unreported, and unshare() would have missed it);
-    after ``to_empty`` the new ``freqs`` are read by no graph."""
+    after ``to_empty`` the new ``freqs`` are read by no graph; three filled caches reloaded with a fresh
+    model's zeros stay one shared storage (found under inductor)."""
     cos_sin, filled = TableRecipe(max_len=16), TableRecipe(layout="filled_cache", max_len=16)
+    saved_cos_sin, saved_filled = replace(cos_sin, persistent=True), replace(filled, persistent=True)
     return [{"specs": [cos_sin, cos_sin, filled, cos_sin, filled], "graph_break": True, "regional": True,
              "inner": inner, "seed": 18888, "steps": [step], "share_persistent": False}
-            for step in ("free", "to_empty")]
+            for step in ("free", "to_empty")] + [
+            {"specs": [saved_filled, saved_cos_sin, saved_filled, saved_filled, saved_cos_sin], "graph_break": True,
+             "regional": True, "inner": inner, "seed": 14119, "steps": ["float64", "reload_equal"],
+             "share_persistent": True}]
 
 
 def random_decoders(inner: str, tenths: int):
