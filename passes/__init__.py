@@ -1,4 +1,6 @@
 """Graph rewrites, installed as ``rope_dedup.passes``: each module one pass or analysis, named for its job.
+A pass module's ``rewrite(gm, example_inputs, context)`` is what the loop runs, and a function of the
+module's name runs that pass alone.
 
 - :mod:`pipeline` declares the passes the backend runs, in order, and :mod:`pass_base` the loop that
   runs them (lint, recompile and timing once per pass) and the result every pass returns;

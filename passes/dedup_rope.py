@@ -48,10 +48,10 @@ def dedup_rope(
         store = CanonicalStore(share_persistent=share_persistent)
     elif share_persistent and not store.share_persistent:
         raise ValueError("share_persistent=True conflicts with the store's policy: make the store with it")
-    return run_passes(gm, example_inputs, [DEDUP_ROPE], PassContext(store, redirect_inputs))
+    return run_passes(gm, example_inputs, [GraphPass(rewrite)], PassContext(store, redirect_inputs))
 
 
-def _share_tables(gm: torch.fx.GraphModule, example_inputs: Sequence | None, context: PassContext) -> RopePassResult:
+def rewrite(gm: torch.fx.GraphModule, example_inputs: Sequence | None, context: PassContext) -> RopePassResult:
     """Offer every state tensor the graph reads to the store, then point duplicate nodes at one per table.
 
     ``watched_inputs`` holds every state input except parameters that are not RoPE tables (see
@@ -83,8 +83,6 @@ def _share_tables(gm: torch.fx.GraphModule, example_inputs: Sequence | None, con
     return RopePassResult(gm, modified, watched_inputs=watched, merged_inputs=merged)
 
 
-DEDUP_ROPE = GraphPass("dedup_rope", _share_tables)
-
 
 def _worth_watching(candidate: Candidate) -> bool:
     """Whether another block's tensor at a skipped input deserves a look on every call.
@@ -93,7 +91,7 @@ def _worth_watching(candidate: Candidate) -> bool:
     report should name). Parameters are mostly weights, frozen ones included (say, under LoRA): watched
     only when this one is a RoPE table kept apart, so that the hot path does not grow with the weights.
     """
-    if candidate.kind is not Origin.PARAMETER:
+    if candidate.origin is not Origin.PARAMETER:
         return True
     return not candidate.tensor.requires_grad and is_rope_table(candidate.tensor)
 

@@ -27,7 +27,7 @@ class Candidate:
     node: torch.fx.Node
     tensor: torch.Tensor
     path: str
-    kind: Origin
+    origin: Origin
     input_index: int | None  # position in example_inputs for placeholders, None for get_attr
     persistent: bool = False  # saved in a state_dict: a parameter, or a persistent buffer (or one whose
     # module was not found)
@@ -42,10 +42,10 @@ def find_candidates(gm: torch.fx.GraphModule, example_inputs: Sequence | None = 
         for index, (node, value) in enumerate(zip(placeholders, example_inputs)):
             if not isinstance(value, torch.Tensor):
                 continue
-            origin = placeholder_origin(node)
-            if origin.kind is Origin.INPUT:
+            where = placeholder_origin(node)
+            if where.origin is Origin.INPUT:
                 continue
-            candidates.append(_from_origin(node, value, origin, index))
+            candidates.append(_from_origin(node, value, where, index))
     for node in gm.graph.nodes:
         if node.op != "get_attr":
             continue
@@ -54,9 +54,9 @@ def find_candidates(gm: torch.fx.GraphModule, example_inputs: Sequence | None = 
         value = getattr(owner, attr, None)
         if not isinstance(value, torch.Tensor):
             continue
-        origin = attribute_origin(gm, node.target)
-        if origin is not None and origin.kind is not Origin.INPUT:  # freezing: dynamo knows the real owner
-            candidates.append(_from_origin(node, value, origin, None))
+        where = attribute_origin(gm, node.target)
+        if where is not None and where.origin is not Origin.INPUT:  # freezing: dynamo knows the real owner
+            candidates.append(_from_origin(node, value, where, None))
             continue
         if attr in owner._parameters:
             kind = Origin.PARAMETER
@@ -71,10 +71,10 @@ def find_candidates(gm: torch.fx.GraphModule, example_inputs: Sequence | None = 
     return candidates
 
 
-def _from_origin(node: torch.fx.Node, value: torch.Tensor, origin: InputOrigin, index: int | None) -> Candidate:
+def _from_origin(node: torch.fx.Node, value: torch.Tensor, where: InputOrigin, index: int | None) -> Candidate:
     """A candidate whose owner dynamo recorded (its source): path, kind and persistence come from there."""
-    kind = Origin.PARAMETER if isinstance(value, torch.nn.Parameter) else origin.kind
-    return Candidate(node, value, origin.path, kind, index, in_state_dict(kind, origin.persistent), origin.owner)
+    origin = Origin.PARAMETER if isinstance(value, torch.nn.Parameter) else where.origin
+    return Candidate(node, value, where.path, origin, index, in_state_dict(origin, where.persistent), where.owner)
 
 
 def duplicates_by_memory(kept: list[Candidate]) -> tuple[dict, list[tuple[int, ...]]]:

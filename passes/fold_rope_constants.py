@@ -55,10 +55,10 @@ def fold_rope_constants(
     constants created; replaced nodes are counted in ``counters["rope_dedup"]["folded_nodes"]`` and
     constants in ``["folded_tables"]``.
     """
-    return run_passes(gm, example_inputs, [FOLD_ROPE_CONSTANTS], PassContext(store))
+    return run_passes(gm, example_inputs, [GraphPass(rewrite)], PassContext(store))
 
 
-def _fold(gm: torch.fx.GraphModule, example_inputs: Sequence | None, context: PassContext) -> RopePassResult:
+def rewrite(gm: torch.fx.GraphModule, example_inputs: Sequence | None, context: PassContext) -> RopePassResult:
     pure = find_pure_nodes(gm)
     constant: list[torch.fx.Node] = []  # pure nodes outside autocast that read no placeholder or attribute
     constant_set: set[torch.fx.Node] = set()
@@ -86,8 +86,6 @@ def _fold(gm: torch.fx.GraphModule, example_inputs: Sequence | None, context: Pa
     counters["rope_dedup"]["folded_tables"] += len(folded)
     return RopePassResult(gm, True, folded=folded)
 
-
-FOLD_ROPE_CONSTANTS = GraphPass("fold_rope_constants", _fold)
 
 
 def _representatives(constant: list[torch.fx.Node], pure: dict) -> dict[torch.fx.Node, torch.fx.Node]:

@@ -45,18 +45,18 @@ def merge_rope_subgraphs(
     recognized from their content. The result's ``merged_nodes`` says how many nodes went; they are also
     counted in ``counters["rope_dedup"]["merged_nodes"]``.
     """
-    return run_passes(gm, example_inputs, [MERGE_ROPE_SUBGRAPHS], PassContext(store))
+    return run_passes(gm, example_inputs, [GraphPass(rewrite)], PassContext(store))
 
 
-def _merge(gm: torch.fx.GraphModule, example_inputs: Sequence | None, context: PassContext) -> RopePassResult:
+def rewrite(gm: torch.fx.GraphModule, example_inputs: Sequence | None, context: PassContext) -> RopePassResult:
     is_table = _table_nodes(gm, example_inputs, context.store).__contains__
     pure = find_pure_nodes(gm)
-    kinds: dict[torch.fx.Node, str] = {}
+    roles: dict[torch.fx.Node, str] = {}
     first: dict[Hashable, torch.fx.Node] = {}
     merged = 0
     for node in list(gm.graph.nodes):
-        kind = kinds[node] = _kind(node, kinds, pure, is_table)
-        if kind not in ("table", "constant", "input") or node not in pure:
+        role = roles[node] = _role(node, roles, pure, is_table)
+        if role not in ("table", "constant", "input") or node not in pure:
             continue
         key = node_key(node, pure[node], lambda n: n)  # inputs already point at their representatives
         if key is None:
@@ -70,27 +70,25 @@ def _merge(gm: torch.fx.GraphModule, example_inputs: Sequence | None, context: P
     return RopePassResult(gm, bool(merged), merged_nodes=merged)
 
 
-MERGE_ROPE_SUBGRAPHS = GraphPass("merge_rope_subgraphs", _merge)
 
-
-def _kind(node: torch.fx.Node, kinds: dict[torch.fx.Node, str], pure: dict,
+def _role(node: torch.fx.Node, roles: dict[torch.fx.Node, str], pure: dict,
           is_table: Callable[[torch.fx.Node], bool]) -> str:
     """``table``: computed from a RoPE table (and constants, inputs); ``constant``: from nothing;
     ``input``: from forward arguments only; ``other``: reads weights or other state, or is impure."""
     if node.op in ("placeholder", "get_attr"):
         if is_table(node):
             return "table"
-        if node.op == "placeholder" and placeholder_origin(node).kind is Origin.INPUT:
+        if node.op == "placeholder" and placeholder_origin(node).origin is Origin.INPUT:
             return "input"
         return "other"
     if node not in pure:
         return "other"
-    inputs = {kinds[i] for i in node.all_input_nodes}
+    inputs = {roles[i] for i in node.all_input_nodes}
     if "other" in inputs:
         return "other"
-    for kind in ("table", "input"):
-        if kind in inputs:
-            return kind
+    for role in ("table", "input"):
+        if role in inputs:
+            return role
     return "constant"
 
 

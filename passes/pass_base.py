@@ -73,13 +73,17 @@ class RopePassResult:
 
 @dataclass(frozen=True)
 class GraphPass:
-    """A pass by name (how the pipeline enables it and the report times it) and the function that
-    rewrites the graph in place; the function neither lints nor recompiles: :func:`run_passes` does."""
+    """A pass: the ``rewrite`` function of a module in ``passes/``, named for that module (as the pipeline
+    enables it, the report times it and torch's schedule check names it). ``rewrite`` changes the graph in
+    place and neither lints nor recompiles: :func:`run_passes` does."""
 
-    name: str
     rewrite: Callable[[torch.fx.GraphModule, Sequence | None, PassContext], RopePassResult]
 
-    def __repr__(self) -> str:  # torch's schedule check names passes in its error
+    @property
+    def name(self) -> str:
+        return self.rewrite.__module__.rpartition(".")[2]
+
+    def __repr__(self) -> str:
         return self.name
 
 
@@ -91,7 +95,12 @@ def run_passes(gm: torch.fx.GraphModule, example_inputs: Sequence | None, passes
     for graph_pass in passes:
         nodes_before = len(gm.graph.nodes)
         started = time.perf_counter()
-        result = graph_pass.rewrite(gm, example_inputs, context)
+        try:
+            result = graph_pass.rewrite(gm, example_inputs, context)
+        except Exception as error:  # the error keeps its type; the note says where in the pipeline it arose
+            _add_note(error, f"rope_dedup: raised in pass {graph_pass.name}, after "
+                             f"{', '.join(p.name for p in passes[:len(results)]) or 'no other pass'}")
+            raise
         if result.modified:
             gm.graph.lint()
             gm.recompile()
@@ -110,3 +119,9 @@ def run_passes(gm: torch.fx.GraphModule, example_inputs: Sequence | None, passes
         folded=[f for r in results for f in r.folded],
         seconds=seconds,
     )
+
+
+def _add_note(error: BaseException, note: str) -> None:
+    """``BaseException.add_note`` where Python has it (3.11+); on 3.10 the traceback alone says where."""
+    if hasattr(error, "add_note"):
+        error.add_note(note)

@@ -8,7 +8,8 @@
    once, at compile time.
 
 The config enables 2 and 3 per inner backend (:meth:`RopeDedupConfig.computed_table_transforms`);
-:func:`~rope_dedup.passes.pass_base.run_passes` runs what is enabled.
+:func:`~rope_dedup.passes.pass_base.run_passes` runs what is enabled. Each pass is its module's ``rewrite``
+and bears the module's name, which is also the name of the function that runs it alone.
 """
 
 from __future__ import annotations
@@ -19,23 +20,22 @@ import torch.fx
 from torch.fx.passes.infra.pass_manager import PassManager, this_before_that_pass_constraint
 
 from rope_dedup.config import RopeDedupConfig
-from rope_dedup.passes.dedup_rope import DEDUP_ROPE
-from rope_dedup.passes.fold_rope_constants import FOLD_ROPE_CONSTANTS
-from rope_dedup.passes.merge_rope_subgraphs import MERGE_ROPE_SUBGRAPHS
-from rope_dedup.passes.pass_base import GraphPass, PassContext, RopePassResult, run_passes
 from rope_dedup.core.store import CanonicalStore
+from rope_dedup.passes import dedup_rope, fold_rope_constants, merge_rope_subgraphs
+from rope_dedup.passes.pass_base import GraphPass, PassContext, RopePassResult, run_passes
 
-PASSES: tuple[GraphPass, ...] = (DEDUP_ROPE, MERGE_ROPE_SUBGRAPHS, FOLD_ROPE_CONSTANTS)
-CONSTRAINTS = [this_before_that_pass_constraint(DEDUP_ROPE, MERGE_ROPE_SUBGRAPHS)]
+PASSES: tuple[GraphPass, ...] = tuple(GraphPass(module.rewrite)
+                                     for module in (dedup_rope, merge_rope_subgraphs, fold_rope_constants))
+CONSTRAINTS = [this_before_that_pass_constraint(GraphPass(dedup_rope.rewrite), GraphPass(merge_rope_subgraphs.rewrite))]
+# The declaration is checked once, where it is made; the passes a config enables keep its order.
+PassManager(list(PASSES), CONSTRAINTS).validate_constraints()
 
 
 def enabled_passes(config: RopeDedupConfig) -> list[GraphPass]:
-    """The declared passes ``config`` turns on, in declared order (checked against the constraints)."""
+    """The declared passes ``config`` turns on, in declared order."""
     computed = config.computed_table_transforms()
-    off = {MERGE_ROPE_SUBGRAPHS.name: not computed.merge, FOLD_ROPE_CONSTANTS.name: not computed.fold}
-    passes = [p for p in PASSES if not off.get(p.name, False)]
-    PassManager(passes, CONSTRAINTS).validate_constraints()
-    return passes
+    off = {merge_rope_subgraphs.rewrite: not computed.merge, fold_rope_constants.rewrite: not computed.fold}
+    return [p for p in PASSES if not off.get(p.rewrite, False)]
 
 
 def run_pipeline(gm: torch.fx.GraphModule, example_inputs: Sequence | None, config: RopeDedupConfig,

@@ -128,7 +128,8 @@ class RopeDedupBackend:
         except Exception as error:
             if config.strict:
                 raise
-            message = f"graph {self.graphs_compiled}: pass failed, compiled without sharing: {error!r}"
+            where = "".join(f" ({note})" for note in getattr(error, "__notes__", ()))  # which pass, on 3.11+
+            message = f"graph {self.graphs_compiled}: pass failed, compiled without sharing: {error!r}{where}"
             log.error("rope_dedup: %s", message, exc_info=True)
             self.errors.append(message)
             counters["rope_dedup"]["pass_errors"] += 1

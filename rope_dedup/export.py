@@ -53,29 +53,29 @@ def dedup_exported(ep: ExportedProgram, *, share_persistent: bool = False) -> Ex
     # Decide and group without aliasing: the tensors belong to the caller's model; duplicates are dropped.
     store = CanonicalStore(dry_run=True, share_persistent=share_persistent)
     offered: list[tuple[InputSpec, torch.Tensor]] = []
-    for spec in ep.graph_signature.input_specs:
-        tensor = _value(ep, spec)
-        if spec.kind not in _STATE_KINDS or not isinstance(tensor, torch.Tensor):
+    for input_spec in ep.graph_signature.input_specs:
+        tensor = _value(ep, input_spec)
+        if input_spec.kind not in _STATE_KINDS or not isinstance(tensor, torch.Tensor):
             continue
-        offer = store.offer(tensor, name=spec.target, written=written.get(spec.arg.name),
-                            persistent=in_state_dict(_STATE_KINDS[spec.kind], spec.persistent))
+        offer = store.offer(tensor, name=input_spec.target, written=written.get(input_spec.arg.name),
+                            persistent=in_state_dict(_STATE_KINDS[input_spec.kind], input_spec.persistent))
         if offer.action is not Action.SKIP:
-            offered.append((spec, tensor))
+            offered.append((input_spec, tensor))
 
     keeper: dict[int, InputSpec] = {}  # id(canonical tensor) -> the input that stays in use
     duplicates: dict[torch.fx.Node, torch.fx.Node] = {}
     aliased: dict[str, torch.Tensor] = {}  # persistent duplicates: state_dict key -> canonical tensor
     dropped: set[str] = set()  # input names removed from the signature
-    for spec, tensor in offered:
+    for input_spec, tensor in offered:
         canonical = store.canonical_of(tensor)
-        first = keeper.setdefault(id(canonical), spec)
-        if first is spec:
+        first = keeper.setdefault(id(canonical), input_spec)
+        if first is input_spec:
             continue
-        duplicates[placeholders[spec.arg.name]] = placeholders[first.arg.name]
-        if spec.target in ep.state_dict:  # a persistent buffer or frozen parameter: its key stays
-            aliased[spec.target] = _value(ep, first)
+        duplicates[placeholders[input_spec.arg.name]] = placeholders[first.arg.name]
+        if input_spec.target in ep.state_dict:  # a persistent buffer or frozen parameter: its key stays
+            aliased[input_spec.target] = _value(ep, first)
         else:
-            dropped.add(spec.arg.name)
+            dropped.add(input_spec.arg.name)
     redirect_to_canonical(gm, duplicates)
     for name in dropped:
         gm.graph.erase_node(placeholders[name])
@@ -118,11 +118,11 @@ def _quiet_pytree_deprecation():
         yield
 
 
-def _value(ep: ExportedProgram, spec: InputSpec):
-    if spec.kind == InputKind.PARAMETER or (spec.kind == InputKind.BUFFER and spec.persistent):
-        return ep.state_dict.get(spec.target)
-    if spec.kind in (InputKind.BUFFER, InputKind.CONSTANT_TENSOR):
-        return ep.constants.get(spec.target)
+def _value(ep: ExportedProgram, input_spec: InputSpec):
+    if input_spec.kind == InputKind.PARAMETER or (input_spec.kind == InputKind.BUFFER and input_spec.persistent):
+        return ep.state_dict.get(input_spec.target)
+    if input_spec.kind in (InputKind.BUFFER, InputKind.CONSTANT_TENSOR):
+        return ep.constants.get(input_spec.target)
     return None
 
 

@@ -88,7 +88,7 @@ def same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 class Origin(str, enum.Enum):
-    """Where a tensor comes from: module state of some kind, a global, or a forward input."""
+    """Where a tensor comes from: a parameter, buffer or tensor attribute of a module, a global, or a forward input."""
 
     PARAMETER = "parameter"
     BUFFER = "buffer"
@@ -101,7 +101,7 @@ class Origin(str, enum.Enum):
 
 
 def module_state(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor, Origin, bool, torch.nn.Module]]:
-    """(first full path, tensor, kind, saved in the state_dict, owning module) for every parameter, buffer
+    """(first full path, tensor, origin, saved in the state_dict, owning module) for every parameter, buffer
     and plain tensor attribute of ``model``, each tensor object once."""
     seen: set[int] = set()
     for prefix, module in model.named_modules(remove_duplicate=False):
@@ -110,10 +110,10 @@ def module_state(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor, Or
         entries += [(name, t, Origin.BUFFER, name not in module._non_persistent_buffers_set)
                     for name, t in module._buffers.items()]
         entries += [(name, t, Origin.ATTRIBUTE, False) for name, t in vars(module).items() if isinstance(t, torch.Tensor)]
-        for name, tensor, kind, persistent in entries:
+        for name, tensor, origin, persistent in entries:
             if tensor is not None and id(tensor) not in seen:
                 seen.add(id(tensor))
-                yield dot + name, tensor, kind, persistent, module
+                yield dot + name, tensor, origin, persistent, module
 
 
 def module_tensors(model: torch.nn.Module) -> dict[int, tuple[str, torch.Tensor]]:

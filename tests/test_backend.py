@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import sys
 from dataclasses import dataclass, replace
 
 import pytest
@@ -192,6 +193,8 @@ def test_pass_failure_falls_back_loudly_or_raises_when_strict(monkeypatch, caplo
     torch.testing.assert_close(torch.compile(model, backend=backend)(tokens), model(tokens))
     assert "boom" in backend.report.errors[0]
     assert "ERROR: graph 0: pass failed" in str(backend.report)
+    if sys.version_info >= (3, 11):  # exception notes: the error names the pass that raised it
+        assert backend.report.errors[0].endswith("(rope_dedup: raised in pass dedup_rope, after no other pass)")
     assert any(r.levelname == "ERROR" for r in caplog.records)
     torch._dynamo.reset()
     with pytest.raises(Exception, match="boom"):

@@ -40,9 +40,9 @@ def test_buffers_arrive_as_placeholders_that_are_the_module_tensors() -> None:
     model = ToyDecoder(homogeneous(2))
     torch.compile(model, backend=recorded)(torch.randint(0, 64, (1, 8)))
     assert len(recorded.graphs) == 1
-    origins = {origin.path: (origin.kind, tensor) for origin, tensor in recorded.origins[0]}
-    kind, tensor = origins["layers.1.attention.rope.cos"]
-    assert kind == "buffer"
+    origins = {where.path: (where.origin, tensor) for where, tensor in recorded.origins[0]}
+    origin, tensor = origins["layers.1.attention.rope.cos"]
+    assert origin == "buffer"
     assert tensor is model.layers[1].attention.rope.cos
     assert origins["layers.0.attention.qkv.weight"][0] == "parameter"
     assert origins["tokens"][0] == "input"

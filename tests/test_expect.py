@@ -61,7 +61,7 @@ def _tiny_llama(**settings):
 def test_transformers_5_tables_computed_at_model_level_are_shown_per_layer() -> None:
     model = _tiny_llama(rope_parameters={"rope_type": "default", "rope_theta": 5e5})
     result = explain(model, *cases._inputs())
-    applied = {(t.layer, t.kinds, t.key.theta, t.key.dim, t.span) for t in result.applied}
+    applied = {(t.layer, t.part_names, t.key.theta, t.key.dim, t.span) for t in result.applied}
     assert applied == {(f"model.layers.{i}", "cos+sin", 5e5, 16, "0..15") for i in range(2)}
     assert {t.source for t in result.applied} == {
         "computed in model.rotary_emb from model.rotary_emb.inv_freq (float32)"}

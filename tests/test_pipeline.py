@@ -92,3 +92,15 @@ def test_report_shows_seconds_per_pass_across_graphs() -> None:
     assert all(seconds > 0 for seconds in backend.pass_seconds.values())
     assert backend.report.pass_seconds == backend.pass_seconds
     assert "pass time: dedup_rope " in str(backend.report)
+
+
+def test_an_error_in_a_pass_keeps_its_type_and_names_the_pass(monkeypatch) -> None:
+    """torch's PassManager would re-raise a bare Exception; the loop keeps the error and adds where it arose."""
+    def broken(gm: torch.fx.GraphModule) -> dict:
+        raise ValueError("no pure nodes today")
+
+    monkeypatch.setattr("rope_dedup.passes.merge_rope_subgraphs.find_pure_nodes", broken)
+    gm = torch.fx.symbolic_trace(mixed())
+    with pytest.raises(ValueError, match="no pure nodes today") as raised:
+        run_pipeline(gm, None, RopeDedupConfig("eager"), CanonicalStore())
+    assert raised.value.__notes__ == ["rope_dedup: raised in pass merge_rope_subgraphs, after dedup_rope"]

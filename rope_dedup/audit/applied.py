@@ -44,7 +44,7 @@ class AppliedTable:
     angle_dtype: torch.dtype | None  # of the angles cos/sin were taken of, when computed in the graph
 
     @property
-    def kinds(self) -> str:
+    def part_names(self) -> str:
         return "+".join(self.parts)
 
     @property
@@ -103,7 +103,7 @@ class TableCapture:
         unique: dict[tuple, AppliedTable] = {}
         for table in found:  # q and k of one layer read the same table: list it once
             if table is not None:
-                unique.setdefault((table.layer, table.source, table.kinds, table.key), table)
+                unique.setdefault((table.layer, table.source, table.part_names, table.key), table)
         return list(unique.values())
 
 
@@ -148,8 +148,8 @@ class _Interpreter(torch.fx.Interpreter):
     def _note_state(self, node: torch.fx.Node, value: torch.Tensor) -> None:
         path = self.paths.get(id(value))
         if path is None:
-            origin = placeholder_origin(node) if node.op == "placeholder" else attribute_origin(self.module, node.target)
-            path = origin.path if origin is not None and origin.kind is not Origin.INPUT else None
+            where = placeholder_origin(node) if node.op == "placeholder" else attribute_origin(self.module, node.target)
+            path = where.path if where is not None and where.origin is not Origin.INPUT else None
         if path is not None:
             self.state[node] = f"{path} ({str(value.dtype).removeprefix('torch.')})"
 

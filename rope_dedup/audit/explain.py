@@ -128,7 +128,7 @@ class Explanation:
             for i, table in enumerate(row.applied):
                 bad = row.layer in wrong or row.odd
                 # Held tables show their layout (inv_freq, cos|sin, complex); applied ones what reached the multiply.
-                what = table.table.layout if self.static else table.kinds
+                what = table.table.layout if self.static else table.part_names
                 dtype = _cell("dtype", table.angle_dtype) if self.static and table.angle_dtype else _dtypes(table)
                 cells = [(row.layer + (" *" if bad else "")) if i == 0 else "", what, table.source,
                          _cell("theta", table.key.theta), str(table.key.dim), table.key.scaling or "-",
@@ -274,7 +274,7 @@ def _arrange(report: DedupReport, model: torch.nn.Module, applied: list[AppliedT
     names = sorted(set(by_layer) | set(applied_by_layer), key=natural_order)
     # Layers are compared by what they apply when anything was seen applied, else by what they hold.
     if applied_by_layer:
-        signatures = {layer: _signature((t.kinds, t.key) for t in tables) for layer, tables in applied_by_layer.items()}
+        signatures = {layer: _signature((t.part_names, t.key) for t in tables) for layer, tables in applied_by_layer.items()}
     else:
         signatures = {layer: _signature((r.name, r.key) for r in rows) for layer, rows in by_layer.items()}
     differs, pattern = ({}, None) if judge is not None else _compare_layers(

@@ -57,8 +57,8 @@ def held_tables(model: torch.nn.Module, judge: Callable[[str, str], RopeSpec | N
     ``judge(layer, path)`` is the expectation for a tensor (None: not judged); it decides the positions a
     frequency vector is compared at and which unnamed slots count."""
     tables, empty = [], []
-    for path, tensor, kind, _, _ in module_state(model):
-        if kind is Origin.PARAMETER:
+    for path, tensor, origin, _, _ in module_state(model):
+        if origin is Origin.PARAMETER:
             continue
         layer = layer_of(path.rpartition(".")[0])
         spec = judge(layer, path) if judge is not None else None

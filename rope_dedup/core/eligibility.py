@@ -54,10 +54,10 @@ class Refusal:
         return self.reason in (SkipReason.TRAINABLE, SkipReason.NOT_ROPE)
 
 
-def in_state_dict(kind: Origin, persistent: bool | None) -> bool:
-    """Whether module state of this kind is saved in a ``state_dict``: a parameter always, a buffer unless
+def in_state_dict(origin: Origin, persistent: bool | None) -> bool:
+    """Whether module state of this origin is saved in a ``state_dict``: a parameter always, a buffer unless
     registered with ``persistent=False`` (``persistent`` None: not known, so assume saved)."""
-    return kind is Origin.PARAMETER or (kind is Origin.BUFFER and persistent is not False)
+    return origin is Origin.PARAMETER or (origin is Origin.BUFFER and persistent is not False)
 
 
 def why_not_shareable(tensor: torch.Tensor, written: str | None, persistent: bool = False,

@@ -1,4 +1,4 @@
-"""Where a graph input came from: module path and kind, read from dynamo's (private) source objects.
+"""Where a graph input came from: module path and origin, read from dynamo's (private) source objects.
 
 Dynamo records on each placeholder a ``GraphArg`` whose ``source`` is a chain such as
 ``L['self']._modules['layers']._modules['0']._modules['rope']._buffers['cos']``. This is the only
@@ -21,14 +21,14 @@ _CONTAINERS = {"_modules", "_buffers", "_parameters"}
 
 @dataclass(frozen=True)
 class InputOrigin:
-    """``path`` like ``layers.3.rope.cos``; ``kind`` one of buffer, parameter, attribute, global, input.
+    """``path`` like ``layers.3.rope.cos``; ``origin`` one of buffer, parameter, attribute, global, input.
 
     ``persistent`` is for buffers: whether the owning module saves it in its ``state_dict`` (None when
     the module could not be reached; callers treat that as persistent).
     """
 
     path: str
-    kind: Origin
+    origin: Origin
     persistent: bool | None = None
     owner: Any = None  # the module object holding a buffer or parameter, where it could be reached
 

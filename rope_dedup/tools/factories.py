@@ -21,11 +21,11 @@ class FactoryError(ValueError):
     """The factory cannot be found or did not give a model and inputs; the message says which."""
 
 
-def load_factory(spec: str) -> Callable[[], Any]:
+def load_factory(factory_path: str) -> Callable[[], Any]:
     """``MODULE:FACTORY`` -> the callable."""
-    module_name, colon, attribute = spec.rpartition(":")
+    module_name, colon, attribute = factory_path.rpartition(":")
     if not colon or not module_name or not attribute:
-        raise FactoryError(f"expected MODULE:FACTORY (e.g. examples/audit.py:build), got {spec!r}")
+        raise FactoryError(f"expected MODULE:FACTORY (e.g. examples/audit.py:build), got {factory_path!r}")
     try:
         if module_name.endswith(".py") or os.sep in module_name:
             module = _import_file(Path(module_name))
@@ -42,38 +42,39 @@ def load_factory(spec: str) -> Callable[[], Any]:
     return factory
 
 
-def build(spec: str) -> tuple[torch.nn.Module, tuple]:
-    """Call the factory ``spec`` names; (model, example inputs as a tuple)."""
-    factory = load_factory(spec)
+def build(factory_path: str) -> tuple[torch.nn.Module, tuple]:
+    """Call the factory named by ``factory_path``; (model, example inputs as a tuple)."""
+    factory = load_factory(factory_path)
     try:
         built = factory()
     except Exception as error:
-        raise FactoryError(f"{spec}() raised {one_line(error)}") from None
-    return model_and_inputs(built, spec)
+        raise FactoryError(f"{factory_path}() raised {one_line(error)}") from None
+    return model_and_inputs(built, factory_path)
 
 
 class NoInputs(FactoryError):
     """The factory returned a model and no example inputs: enough for an audit without a forward only."""
 
 
-def model_and_inputs(built: Any, spec: str) -> tuple[torch.nn.Module, tuple]:
+def model_and_inputs(built: Any, factory_path: str) -> tuple[torch.nn.Module, tuple]:
     """Check what a factory returned: a module and at least one example input."""
     if isinstance(built, torch.nn.Module):
-        raise NoInputs(f"{spec}() returned a model and no example inputs; expected (model, example_inputs)")
+        raise NoInputs(f"{factory_path}() returned a model and no example inputs; expected (model, example_inputs)")
     if not (isinstance(built, tuple) and len(built) == 2 and isinstance(built[0], torch.nn.Module)):
-        raise FactoryError(f"{spec}() returned {type(built).__name__}; expected (model, example_inputs)")
+        raise FactoryError(f"{factory_path}() returned {type(built).__name__}; expected (model, example_inputs)")
     model, inputs = built
     inputs = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
     if not inputs:
-        raise NoInputs(f"{spec}() returned no example inputs; expected (model, example_inputs)")
+        raise NoInputs(f"{factory_path}() returned no example inputs; expected (model, example_inputs)")
     return model, inputs
 
 
-def model_of(built: Any, spec: str) -> torch.nn.Module:
+def model_of(built: Any, factory_path: str) -> torch.nn.Module:
     """The model a factory returned, alone or as (model, example_inputs): all an audit without a forward needs."""
     model = built[0] if isinstance(built, tuple) and len(built) == 2 else built
     if not isinstance(model, torch.nn.Module):
-        raise FactoryError(f"{spec}() returned {type(built).__name__}; expected a model or (model, example_inputs)")
+        raise FactoryError(f"{factory_path}() returned {type(built).__name__}; "
+                           "expected a model or (model, example_inputs)")
     return model
 
 
@@ -87,8 +88,8 @@ def _import_file(path: Path):
     if not path.is_file():
         raise FactoryError(f"no such file: {path}")
     sys.path.insert(0, str(path.resolve().parent))
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    module = importlib.util.module_from_spec(spec)
+    module_spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(module_spec)
     sys.modules[path.stem] = module
-    spec.loader.exec_module(module)
+    module_spec.loader.exec_module(module)
     return module
