@@ -67,6 +67,7 @@ from torch._dynamo.utils import counters
 
 from rope_dedup import RopeDedupBackend
 from rope_dedup.testing.toy_decoder import ToyDecoder, homogeneous, rope_tensors, unique_storages
+from rope_dedup.tools.profile import ideal_storage, storage_figures
 
 STYLES = ("whole", "regional")
 LABELS = ("inductor", "rope_dedup")  # the inner backend alone, and with the pass; "inductor" names the
@@ -185,15 +186,6 @@ def table_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
     return [tensor for _, tensor in rope_tensors(model)]
 
 
-def ideal_storage(tables: list[torch.Tensor]) -> tuple[int, int]:
-    """(count, bytes) if every distinct table were stored once: exact-equality groups, not the pass's."""
-    distinct: list[torch.Tensor] = []
-    for table in tables:
-        if not any(d.dtype == table.dtype and d.shape == table.shape and torch.equal(d, table) for d in distinct):
-            distinct.append(table)
-    return unique_storages(distinct)
-
-
 # -- one style -----------------------------------------------------------------------------------------
 
 def run_style(style: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -206,8 +198,8 @@ def run_style(style: str, args: argparse.Namespace) -> dict[str, Any]:
 
     models = {label: build(args) for label in LABELS}
     tables = table_tensors(models["rope_dedup"])
-    ideal_count, ideal_bytes = ideal_storage(tables)
-    before_count, before_bytes = unique_storages(tables)
+    ideal = ideal_storage(tables)
+    stored_before = unique_storages(tables)
     backend = RopeDedupBackend(args.inner)
     compiled = {"inductor": compile_style(models["inductor"], style, args.inner, args.mode),
                 "rope_dedup": compile_style(models["rope_dedup"], style, backend, args.mode)}
@@ -257,7 +249,6 @@ def run_style(style: str, args: argparse.Namespace) -> dict[str, Any]:
     pairs = list(zip(outputs["inductor"], outputs["rope_dedup"]))
     equal = [torch.equal(a, b) for a, b in pairs]
     max_diff = max(float((a.double() - b.double()).abs().max()) for a, b in pairs)
-    after_count, after_bytes = unique_storages(table_tensors(models["rope_dedup"]))
     plain_count, plain_bytes = unique_storages(table_tensors(models["inductor"]))
     step = {label: statistics.median(times[label]) for label in LABELS} if args.timed_steps else None
     # Per ABBA pair the two steps ran back to back, under the same load: the median of the per-pair ratios
@@ -269,13 +260,7 @@ def run_style(style: str, args: argparse.Namespace) -> dict[str, Any]:
         "outputs_equal": all(equal),
         "outputs_equal_per_step": equal,
         "max_abs_diff": max_diff,
-        "rope_tables": len(tables),
-        "rope_storages_before": before_count,
-        "rope_bytes_before": before_bytes,
-        "rope_storages": after_count,
-        "rope_bytes": after_bytes,
-        "ideal_storages": ideal_count,
-        "ideal_bytes": ideal_bytes,
+        **storage_figures(tables, stored_before, unique_storages(table_tensors(models["rope_dedup"])), ideal),
         "rope_storages_without_pass": plain_count,
         "rope_bytes_without_pass": plain_bytes,
         "cudagraph_recordings": recordings if cuda else None,

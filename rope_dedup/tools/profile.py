@@ -108,6 +108,14 @@ def ideal_storage(tables: Sequence[torch.Tensor]) -> tuple[int, int]:
     return toy.unique_storages(distinct)
 
 
+def storage_figures(tables: Sequence[torch.Tensor], before: tuple[int, int], after: tuple[int, int],
+                    ideal: tuple[int, int]) -> dict[str, int]:
+    """The RoPE storage figures every profile record carries, each a (count, bytes) of unique storages:
+    before and after rope_dedup ran, and the ideal of :func:`ideal_storage`."""
+    return {"rope_tables": len(tables), "rope_storages_before": before[0], "rope_bytes_before": before[1],
+            "rope_storages": after[0], "rope_bytes": after[1], "ideal_storages": ideal[0], "ideal_bytes": ideal[1]}
+
+
 # -- the child: one mode, one process ---------------------------------------------------------------
 
 class _Capture:
@@ -311,8 +319,8 @@ def measure(config: ProfileConfig, mode: str) -> dict[str, Any]:
             model, inputs, tables = build_inputs(config)
     else:
         model, inputs, tables = build_inputs(config)
-    ideal_count, ideal_bytes = ideal_storage(tables)
-    before_count, before_bytes = toy.unique_storages(tables)
+    ideal = ideal_storage(tables)
+    before = toy.unique_storages(tables)
     with torch.no_grad():
         reference = model(*inputs)
         reference = training_loss(reference) if config.train else first_tensor(reference)
@@ -355,17 +363,10 @@ def measure(config: ProfileConfig, mode: str) -> dict[str, Any]:
         times.append(time.perf_counter() - started)
     peaks.end_phase("steps")
     q1, step_median, q3 = statistics.quantiles(times, n=4) if len(times) > 1 else times * 3
-    after_count, after_bytes = toy.unique_storages(tables)
     interning = _interning_cost(capture, step) if capture is not None else None
     return {
         "mode": mode,
-        "rope_tables": len(tables),
-        "rope_storages_before": before_count,
-        "rope_bytes_before": before_bytes,
-        "rope_storages": after_count,
-        "rope_bytes": after_bytes,
-        "ideal_storages": ideal_count,
-        "ideal_bytes": ideal_bytes,
+        **storage_figures(tables, before, toy.unique_storages(tables), ideal),
         "buffer_bytes": toy.unique_storages(_state_tensors(model))[1],
         "param_bytes": toy.unique_storages(list(model.parameters()))[1],
         "peak_rss_build": peaks.rss["build"],
