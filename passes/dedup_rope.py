@@ -83,7 +83,6 @@ def rewrite(gm: torch.fx.GraphModule, example_inputs: Sequence | None, context: 
     return RopePassResult(gm, modified, watched_inputs=watched, merged_inputs=merged)
 
 
-
 def _worth_watching(candidate: Candidate) -> bool:
     """Whether another block's tensor at a skipped input deserves a look on every call.
 

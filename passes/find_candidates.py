@@ -59,20 +59,20 @@ def find_candidates(gm: torch.fx.GraphModule, example_inputs: Sequence | None = 
             candidates.append(_from_origin(node, value, where, None))
             continue
         if attr in owner._parameters:
-            kind = Origin.PARAMETER
+            origin = Origin.PARAMETER
         elif attr in owner._buffers:
-            kind = Origin.BUFFER
+            origin = Origin.BUFFER
         else:
-            kind = Origin.ATTRIBUTE
+            origin = Origin.ATTRIBUTE
         # symbolic_trace up to torch 2.13 registers every buffer it copies as persistent (the GraphModule's
         # state_dict has it); rope_dedup.symbolic_trace keeps the model's own choice.
-        persistent = in_state_dict(kind, attr not in owner._non_persistent_buffers_set)
-        candidates.append(Candidate(node, value, node.target, kind, None, persistent, owner))
+        persistent = in_state_dict(origin, attr not in owner._non_persistent_buffers_set)
+        candidates.append(Candidate(node, value, node.target, origin, None, persistent, owner))
     return candidates
 
 
 def _from_origin(node: torch.fx.Node, value: torch.Tensor, where: InputOrigin, index: int | None) -> Candidate:
-    """A candidate whose owner dynamo recorded (its source): path, kind and persistence come from there."""
+    """A candidate whose owner dynamo recorded (its source): path, origin and persistence come from there."""
     origin = Origin.PARAMETER if isinstance(value, torch.nn.Parameter) else where.origin
     return Candidate(node, value, where.path, origin, index, in_state_dict(origin, where.persistent), where.owner)
 

@@ -87,7 +87,6 @@ def rewrite(gm: torch.fx.GraphModule, example_inputs: Sequence | None, context: 
     return RopePassResult(gm, True, folded=folded)
 
 
-
 def _representatives(constant: list[torch.fx.Node], pure: dict) -> dict[torch.fx.Node, torch.fx.Node]:
     """Each constant node -> the first structurally identical one: identical subgraphs are evaluated once."""
     representative: dict[torch.fx.Node, torch.fx.Node] = {}

@@ -70,7 +70,6 @@ def rewrite(gm: torch.fx.GraphModule, example_inputs: Sequence | None, context: 
     return RopePassResult(gm, bool(merged), merged_nodes=merged)
 
 
-
 def _role(node: torch.fx.Node, roles: dict[torch.fx.Node, str], pure: dict,
           is_table: Callable[[torch.fx.Node], bool]) -> str:
     """``table``: computed from a RoPE table (and constants, inputs); ``constant``: from nothing;

@@ -69,11 +69,10 @@ class InterningCallable:
         for position in self._written:  # empty for graphs that only read: the check costs them nothing
             if is_interned(args[position]):  # shared by a read-only graph since this one last ran
                 self._store.release(args[position])
-        is_member = self._store.is_member
+        is_shared_member = self._store.is_shared_member
         for position in self._positions:
-            tensor = args[position]
-            if not (is_member(tensor) and is_interned(tensor)):
-                self._intern(position, tensor)
+            if not is_shared_member(args[position]):
+                self._intern(position, args[position])
         for group in self._merged:
             ptr = memory_ptr(args[group[0]])
             for other in group[1:]:

@@ -101,10 +101,11 @@ class CanonicalStore:
         """Cheap check used on every call: is this tensor's memory a canonical table's?"""
         return memory_ptr(tensor) in self._ptr_count
 
-    def is_member(self, tensor: torch.Tensor) -> bool:
-        """Cheap check used on every call: is this very tensor a member of a group? (Not implied by its
-        memory: a tensor that shared with members the store has since forgotten points there too.)"""
-        return id(tensor) in self._group_of
+    def is_shared_member(self, tensor: torch.Tensor) -> bool:
+        """Cheap check used on every call: is this very tensor a member of a group, and its memory still a
+        canonical table's? (Memory alone does not say: a tensor that shared with members the store has since
+        forgotten points there too; membership alone does not either: a member's memory can be replaced.)"""
+        return id(tensor) in self._group_of and memory_ptr(tensor) in self._ptr_count
 
     # -- deciding and sharing -----------------------------------------------------------------------
     def offer(self, tensor: torch.Tensor, *, name: str, written: str | None = None, persistent: bool = False) -> Plan:
