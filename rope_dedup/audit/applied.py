@@ -207,13 +207,13 @@ def _measure(candidate: _Candidate) -> tuple[str, torch.Tensor, torch.Tensor] | 
             if value.dim() == 3 and not bool((value == value[:1]).all()):
                 return None  # per-sequence tables without their positions: nothing to measure against
             rows = value if value.dim() == 2 else value[0]
-            positions = torch.arange(rows.shape[0])
+            positions = torch.arange(rows.shape[0], device="cpu")
         else:
             if ids.numel() != batch.shape[0]:
                 continue
             flat = ids.reshape(-1).to(torch.int64).cpu()
             positions, first = _first_occurrence(flat)
-            if not torch.equal(positions, torch.arange(positions.numel())):
+            if not torch.equal(positions, torch.arange(positions.numel(), device="cpu")):
                 continue
             rows = batch[first.to(batch.device)]
         found = recognize_rope_table(rows)
@@ -227,8 +227,8 @@ def _measure(candidate: _Candidate) -> tuple[str, torch.Tensor, torch.Tensor] | 
 def _first_occurrence(flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Sorted distinct values of ``flat`` and the index of each one's first occurrence."""
     positions, inverse = torch.unique(flat, return_inverse=True)
-    first = torch.full((positions.numel(),), flat.numel(), dtype=torch.int64)
-    first.scatter_reduce_(0, inverse, torch.arange(flat.numel()), reduce="amin")
+    first = torch.full((positions.numel(),), flat.numel(), dtype=torch.int64, device=flat.device)
+    first.scatter_reduce_(0, inverse, torch.arange(flat.numel(), device=flat.device), reduce="amin")
     return positions, first
 
 
@@ -241,7 +241,7 @@ def _applied(candidate: _Candidate, rows: torch.Tensor, positions: torch.Tensor)
         source=candidate.source,
         table=found,
         key=infer_key(found, rows),
-        parts=table_parts(rows, found.layout),
+        parts=table_parts(rows.cpu(), found.layout),  # compared with expectations computed on CPU
         positions=positions,
         dtype=rows.dtype,
         angle_dtype=candidate.angle_dtype,

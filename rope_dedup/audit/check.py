@@ -124,7 +124,7 @@ def _diagnose(applied: AppliedTable, spec: RopeSpec, inv_freq: torch.Tensor, amp
 def _exact_table(inv_freq: torch.Tensor) -> RopeTable:
     """A :class:`RopeTable` of known frequencies, to name them with :func:`infer_key` as a measured one is."""
     n = inv_freq.numel()
-    return RopeTable(layout=FREQUENCIES, freqs=inv_freq, reliable=torch.ones(n, dtype=torch.bool),
+    return RopeTable(layout=FREQUENCIES, freqs=inv_freq, reliable=torch.ones(n, dtype=torch.bool, device=inv_freq.device),
                      freq_tol=1e-12 * inv_freq + 1e-300, amplitude=1.0, length=None)
 
 

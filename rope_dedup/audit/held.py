@@ -83,8 +83,8 @@ def _measured(layer: str, path: str, tensor: torch.Tensor, found: RopeTable,
         length = _FREQUENCY_POSITIONS
         if spec is not None and spec.scaling is not None and spec.scaling.type == "dynamic":
             length = min(length, spec.scaling.original_max_position_embeddings)
-        positions = torch.arange(length)
-        parts = {"angle": positions[:, None].to(torch.float64) * values.to(torch.float64)}
+        positions = torch.arange(length, device="cpu")
+        parts = {"angle": positions[:, None].to(torch.float64) * values.to(device="cpu", dtype=torch.float64)}
         return AppliedTable(layer, path, found, infer_key(found, tensor), parts, positions,
                             dtype=torch.float32, angle_dtype=tensor.dtype)
     stacked = found.layout.arrangement is Arrangement.STACKED
@@ -99,9 +99,9 @@ def _measured(layer: str, path: str, tensor: torch.Tensor, found: RopeTable,
 
 def _positions(rows: int) -> torch.Tensor:
     if rows <= _HEAD_ROWS + _SPREAD_ROWS:
-        return torch.arange(rows)
-    spread = torch.linspace(_HEAD_ROWS, rows - 1, _SPREAD_ROWS).round().to(torch.int64)
-    return torch.cat([torch.arange(_HEAD_ROWS), spread]).unique()
+        return torch.arange(rows, device="cpu")
+    spread = torch.linspace(_HEAD_ROWS, rows - 1, _SPREAD_ROWS, device="cpu").round().to(torch.int64)
+    return torch.cat([torch.arange(_HEAD_ROWS, device="cpu"), spread]).unique()
 
 
 def _is_slot(path: str, tensor: torch.Tensor, spec: RopeSpec | None) -> bool:

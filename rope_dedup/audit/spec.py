@@ -337,7 +337,7 @@ def _parse_scaling(text: str) -> Scaling:
 def _frequencies(theta: float, dim: int, scaling: Scaling | None, attention_factor: float | None,
                  seq_len: int) -> tuple[torch.Tensor, float]:
     """transformers' formulas, in float64."""
-    exponents = torch.arange(0, dim, 2, dtype=torch.float64) / dim
+    exponents = torch.arange(0, dim, 2, dtype=torch.float64, device="cpu") / dim
     kind = scaling.type if scaling is not None else None
     if kind == "dynamic" and seq_len > scaling.original_max_position_embeddings:
         # NTK: a larger base once the sequence outgrows the original length.
@@ -353,7 +353,8 @@ def _frequencies(theta: float, dim: int, scaling: Scaling | None, attention_fact
         inv_freq, default_factor = _yarn(inv_freq, theta, dim, scaling)
     elif kind == "longrope":
         long = seq_len > scaling.original_max_position_embeddings
-        factors = torch.tensor(scaling.long_factor if long else scaling.short_factor, dtype=torch.float64)
+        factors = torch.tensor(scaling.long_factor if long else scaling.short_factor, dtype=torch.float64,
+                               device="cpu")
         if factors.numel() != inv_freq.numel():
             raise SpecError(f"longrope: {factors.numel()} factors for a rotary dim of {dim}")
         inv_freq = inv_freq / factors
@@ -392,7 +393,7 @@ def _yarn(inv_freq: torch.Tensor, theta: float, dim: int, s: Scaling) -> tuple[t
     low, high = max(low, 0), min(high, dim - 1)
     if low == high:
         high += 0.001  # transformers' guard against a zero-width ramp
-    ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float64, device="cpu") - low) / (high - low)).clamp(0, 1)
     extrapolate = 1 - ramp
     return inv_freq / s.factor * (1 - extrapolate) + inv_freq * extrapolate, attention_factor
 

@@ -75,7 +75,7 @@ def infer_key(table: RopeTable, tensor: torch.Tensor) -> RopeKey:
     """Infer the :class:`RopeKey` of a recognized table (recognition guarantees >= 2 measurable columns)."""
     freqs, reliable, tol = table.freqs, table.reliable, table.freq_tol
     n = freqs.numel()
-    index = torch.arange(n, dtype=torch.float64)
+    index = torch.arange(n, dtype=torch.float64, device=freqs.device)
     safe = torch.where(reliable, freqs, torch.ones_like(freqs))
     rel_tol = tol / safe
     log_f = torch.log(safe)
@@ -118,7 +118,7 @@ def _head_fit(index, log_f, weights, reliable) -> tuple[float, float, str]:
     digest of the whole bend so that two different bends never share a key by accident.
     """
     n = index.numel()
-    head = torch.zeros(n, dtype=torch.bool)
+    head = torch.zeros(n, dtype=torch.bool, device=reliable.device)
     head[: max(2, n // 8)] = True  # the share recognition requires to be unbent
     head &= reliable
     if int(head.sum()) < 2:

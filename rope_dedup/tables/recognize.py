@@ -61,13 +61,13 @@ class NotRope:
 def _eps(dtype: torch.dtype) -> float:
     """Relative precision of the values: the dtype's, but never finer than float32's, since tables are
     computed in float32 by most model code and keep that rounding after ``model.double()``."""
-    real = torch.empty((), dtype=dtype).real.dtype if dtype.is_complex else dtype
+    real = dtype.to_real()
     return max(torch.finfo(real).eps, torch.finfo(torch.float32).eps)
 
 
 def _floor(dtype: torch.dtype) -> float:
     """Spacing of the dtype's subnormals: fp16 rounds the slowest frequencies (~1e-6) to a few of them."""
-    real = torch.empty((), dtype=dtype).real.dtype if dtype.is_complex else dtype
+    real = dtype.to_real()
     return torch.finfo(real).smallest_normal * torch.finfo(real).eps
 
 
@@ -268,12 +268,15 @@ def _from_parts(layout: Layout, parts: dict[Part, torch.Tensor], eps: float) -> 
     if sin is not None and cos is None:
         # The first guess (two entries of a half-precision column) can be ~1% off, and asin bends the slow
         # columns' frequencies by as much: refit the amplitude on the checked rows and measure once more.
+        # Each value weighs by how well it is known: a large angle carries its float32 rounding (and a coarse
+        # kernel's range reduction) into the value, and unweighted, those rows bias the fit.
         for again in (True, False):
             fitted = projected = 0.0
             for rows in _checked_rows(sin, freqs.numel()):
-                phases = torch.sin(rows.to(torch.float64)[:, None] * freqs)
-                fitted += float((_f64(sin[rows]) * phases).sum())
-                projected += float((phases * phases).sum())
+                angles = rows.to(torch.float64)[:, None] * freqs
+                phases, weights = torch.sin(angles), _value_tolerance(eps, 1.0, angles) ** -2
+                fitted += float((weights * _f64(sin[rows]) * phases).sum())
+                projected += float((weights * phases * phases).sum())
             amplitude = fitted / projected
             if again:
                 freqs = _measure_freqs(cos, sin, angle, amplitude, eps).clamp_min(0)
@@ -437,11 +440,12 @@ def _from_inv_freq(x: torch.Tensor, eps: float, floor: float) -> RopeTable | Not
     ratios = head[1:] / head[:-1]
     if ratios.numel() > 1 and (ratios - ratios[0]).abs().max().item() > 8 * eps + 1e-6:
         return NotRope("leading frequencies are not a geometric progression")
+    freqs = x.cpu()  # a RopeTable's measurements live on CPU, whatever the table's device
     return RopeTable(
         layout=FREQUENCIES,
-        freqs=x.cpu(),
-        reliable=torch.ones(n, dtype=torch.bool),
-        freq_tol=4 * eps * x + floor,  # fp16 keeps the slowest frequencies of a large theta as subnormals
+        freqs=freqs,
+        reliable=torch.ones(n, dtype=torch.bool, device="cpu"),
+        freq_tol=4 * eps * freqs + floor,  # fp16 keeps the slowest frequencies of a large theta as subnormals
         amplitude=1.0,
         length=None,
     )

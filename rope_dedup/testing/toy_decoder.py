@@ -47,12 +47,13 @@ class TableRecipe:
             raise ValueError(f"unknown scaling {self.scaling!r}; choose from {SCALINGS}")
 
 
-def inv_freq(spec: TableRecipe, dim: int) -> torch.Tensor:
-    """Frequencies as HF/torchtitan compute them, with the common scaling variants."""
+def inv_freq(spec: TableRecipe, dim: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """Frequencies as HF/torchtitan compute them, with the common scaling variants, on ``device`` (None: the
+    default device, as model code builds)."""
     theta = spec.theta
     if spec.scaling == "ntk":
         theta = theta * spec.factor ** (dim / (dim - 2))
-    freqs = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    freqs = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim))
     if spec.scaling == "linear":
         freqs = freqs / spec.factor
     elif spec.scaling == "llama3":
@@ -70,7 +71,7 @@ def inv_freq(spec: TableRecipe, dim: int) -> torch.Tensor:
             return dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(theta))
 
         low, high = max(math.floor(correction(beta_fast)), 0), min(math.ceil(correction(beta_slow)), dim - 1)
-        ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / max(high - low, 1e-3)).clamp(0, 1)
+        ramp = ((torch.arange(dim // 2, dtype=torch.float32, device=device) - low) / max(high - low, 1e-3)).clamp(0, 1)
         extrapolate = 1 - ramp
         freqs = freqs / spec.factor * (1 - extrapolate) + freqs * extrapolate
     return freqs
@@ -88,12 +89,12 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 class Rope(nn.Module):
     """Applies rotary embedding to ``x`` of shape (batch, heads, seq, head_dim) from a cached table."""
 
-    def __init__(self, spec: TableRecipe, head_dim: int) -> None:
+    def __init__(self, spec: TableRecipe, head_dim: int, device: torch.device | str | None = None) -> None:
         super().__init__()
         self.spec = spec
         self.dim = spec.rotary_dim or head_dim
-        freqs = inv_freq(spec, self.dim)
-        angles = torch.outer(torch.arange(spec.max_len, dtype=torch.float32), freqs)
+        freqs = inv_freq(spec, self.dim, device)
+        angles = torch.outer(torch.arange(spec.max_len, dtype=torch.float32, device=device), freqs)
         mscale = yarn_mscale(spec)
         # Each layout computes only what it stores, as model code does: the build's transient is one layer's.
         def cos() -> torch.Tensor:
@@ -130,10 +131,10 @@ class Rope(nn.Module):
             buffer("original_inv_freq", freqs.clone().to(dtype))
         elif layout == "lazy_cache":
             # rotary-embedding-torch: zeros at init, written in place during forward.
-            buffer("cached_freqs", torch.zeros(spec.max_len, self.dim // 2, dtype=dtype))
+            buffer("cached_freqs", torch.zeros(spec.max_len, self.dim // 2, dtype=dtype, device=device))
             buffer("freqs", freqs)
         elif layout == "filled_cache":
-            buffer("filled_freqs", torch.zeros(spec.max_len, self.dim // 2, dtype=dtype))
+            buffer("filled_freqs", torch.zeros(spec.max_len, self.dim // 2, dtype=dtype, device=device))
             buffer("freqs", freqs)
             self.filled = 0  # rows written so far: a Python int, so dynamo guards on it
         elif layout == "from_inv_freq":
@@ -146,7 +147,7 @@ class Rope(nn.Module):
         layout = self.spec.layout
         if layout == "computed":
             # From scratch, no state: arange -> pow -> outer -> cos/sin over max_len positions, then sliced.
-            freqs = inv_freq(self.spec, self.dim).to(device)
+            freqs = inv_freq(self.spec, self.dim, device)
             angles = torch.outer(torch.arange(self.spec.max_len, device=device, dtype=torch.float32), freqs)
             mscale = yarn_mscale(self.spec)
             cos, sin = (angles.cos() * mscale)[:seq], (angles.sin() * mscale)[:seq]
@@ -196,12 +197,12 @@ class Rope(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, d_model: int, heads: int, spec: TableRecipe) -> None:
+    def __init__(self, d_model: int, heads: int, spec: TableRecipe, device: torch.device | str | None = None) -> None:
         super().__init__()
         self.heads, self.head_dim = heads, d_model // heads
-        self.qkv = nn.Linear(d_model, 3 * d_model, bias=False)
-        self.out = nn.Linear(d_model, d_model, bias=False)
-        self.rope = Rope(spec, self.head_dim)
+        self.qkv = nn.Linear(d_model, 3 * d_model, bias=False, device=device)
+        self.out = nn.Linear(d_model, d_model, bias=False, device=device)
+        self.rope = Rope(spec, self.head_dim, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, seq, _ = x.shape
@@ -212,11 +213,13 @@ class Attention(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, d_model: int, heads: int, spec: TableRecipe, graph_break: bool = False) -> None:
+    def __init__(self, d_model: int, heads: int, spec: TableRecipe, graph_break: bool = False,
+                 device: torch.device | str | None = None) -> None:
         super().__init__()
-        self.norm1, self.norm2 = nn.LayerNorm(d_model), nn.LayerNorm(d_model)
-        self.attention = Attention(d_model, heads, spec)
-        self.mlp = nn.Sequential(nn.Linear(d_model, 2 * d_model), nn.GELU(), nn.Linear(2 * d_model, d_model))
+        self.norm1, self.norm2 = nn.LayerNorm(d_model, device=device), nn.LayerNorm(d_model, device=device)
+        self.attention = Attention(d_model, heads, spec, device)
+        self.mlp = nn.Sequential(nn.Linear(d_model, 2 * d_model, device=device), nn.GELU(),
+                                 nn.Linear(2 * d_model, d_model, device=device))
         self.graph_break = graph_break
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -227,15 +230,18 @@ class Block(nn.Module):
 
 
 class ToyDecoder(nn.Module):
-    """Embedding, one :class:`Block` per spec, norm and head. ``graph_break`` breaks inside every block."""
+    """Embedding, one :class:`Block` per spec, norm and head. ``graph_break`` breaks inside every block.
+
+    ``device`` is passed to every tensor the model makes, as transformers passes it to its rope init
+    functions; None (the default) builds on the default device, as most model code does."""
 
     def __init__(self, specs: list[TableRecipe], d_model: int = 32, heads: int = 2, vocab: int = 64,
-                 graph_break: bool = False) -> None:
+                 graph_break: bool = False, device: torch.device | str | None = None) -> None:
         super().__init__()
-        self.embed = nn.Embedding(vocab, d_model)
-        self.layers = nn.ModuleList(Block(d_model, heads, spec, graph_break) for spec in specs)
-        self.norm = nn.LayerNorm(d_model)
-        self.head = nn.Linear(d_model, vocab, bias=False)
+        self.embed = nn.Embedding(vocab, d_model, device=device)
+        self.layers = nn.ModuleList(Block(d_model, heads, spec, graph_break, device) for spec in specs)
+        self.norm = nn.LayerNorm(d_model, device=device)
+        self.head = nn.Linear(d_model, vocab, bias=False, device=device)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.embed(tokens)
