@@ -68,8 +68,9 @@ def rewrite(gm: torch.fx.GraphModule, example_inputs: Sequence | None, context: 
     watched: dict[int, WatchedInput] = {}
     for candidate in candidates:
         how = WatchedInput(candidate.path, written.get(candidate.node), candidate.persistent)
-        skipped = store.offer(candidate.tensor, name=how.path, written=how.written,
-                              persistent=how.persistent).action is Action.SKIP
+        owner = (candidate.owner, candidate.path.rpartition(".")[2]) if candidate.owner is not None else None
+        skipped = store.offer(candidate.tensor, name=how.path, written=how.written, persistent=how.persistent,
+                              owner=owner).action is Action.SKIP
         if not skipped:
             kept.append(candidate)
             if candidate.persistent and candidate.owner is not None:

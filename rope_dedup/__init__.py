@@ -35,6 +35,7 @@ from rope_dedup.audit.explain import Explanation, explain
 from rope_dedup.audit.spec import RopeSpec
 from rope_dedup.backend import RopeDedupBackend, rope_dedup_backend
 from rope_dedup.config import RopeDedupConfig
+from rope_dedup.core import moves
 from rope_dedup.core.eligibility import SkipReason
 from rope_dedup.core.report import DedupReport, Departed, Group, Skip
 from rope_dedup.export import dedup_exported
@@ -44,6 +45,9 @@ from rope_dedup.share import share, sharing
 from rope_dedup.tables.keys import RopeKey
 from rope_dedup.tracing import symbolic_trace
 from rope_dedup.unshare import unshare
+
+# Shared tables stay shared through .to(), .half(), to_empty(): see rope_dedup/core/moves.py.
+moves.install()
 
 # Modules that moved into product folders (0.2): importable from the old path for one more release.
 MOVED_MODULES = {

@@ -14,6 +14,7 @@ from torch._dynamo.utils import counters
 
 from rope_dedup.config import ComputedTables, RopeDedupConfig
 from rope_dedup.interning import InterningCallable
+from rope_dedup.core.dynamo_state import release_tensor_refs_at_compile_end
 from rope_dedup.core.memory import release_if_freed
 from rope_dedup.passes.pipeline import run_pipeline
 from rope_dedup.core.report import DedupReport
@@ -25,10 +26,16 @@ BACKEND_NAME = "rope_dedup"
 
 
 def _copy_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
-    """A structural copy (state shared, graph copied) to compile if the rewritten one cannot be used."""
+    """A structural copy (state shared, graph copied) to compile if the rewritten one cannot be used.
+
+    Without dynamo's ``grapharg`` entries: each holds a weak reference to the model's tensor at its input,
+    which dynamo drops from its own graph once compiled; kept here, it would stop ``torch.utils.swap_tensors``
+    on every parameter and buffer the graph reads."""
     graph = torch.fx.Graph()
     output = graph.graph_copy(gm.graph, {})
     graph.output(output)
+    for node in graph.nodes:
+        node.meta.pop("grapharg", None)  # node_copy gave each node a copy of the meta dict: gm keeps its own
     return torch.fx.GraphModule(gm, graph)
 
 
@@ -65,6 +72,11 @@ class RopeDedupBackend:
         self.pass_seconds: dict[str, float] = {}  # pass name -> seconds, all graphs together
         self.copy_seconds = 0.0  # the safety copy of each graph (see __call__), all graphs together
         self.errors: list[str] = []
+
+    # The name this backend is registered under: dynamo treats a backend with a ``compiler_name`` it knows as
+    # registered, and then drops its own weak references to the model's tensors when each frame's compile ends
+    # (torch 2.13's invalidate_compile_context_weakrefs); see rope_dedup/core/dynamo_state.py for the rest.
+    compiler_name = BACKEND_NAME
 
     def __copy__(self) -> RopeDedupBackend:
         return self
@@ -120,6 +132,7 @@ class RopeDedupBackend:
         backend, and wrap that in the run-time interning of :mod:`rope_dedup.interning`."""
         config, inner = self._config_for(compile_kwargs)
         store = self._store_for(config)
+        release_tensor_refs_at_compile_end(gm)
         started = time.perf_counter()
         pristine = _copy_graph_module(gm)  # compiled instead if the passes fail, or merged inputs part
         self.copy_seconds += time.perf_counter() - started

@@ -62,13 +62,12 @@ def dedup_exported(ep: ExportedProgram, *, share_persistent: bool = False) -> Ex
         if offer.action is not Action.SKIP:
             offered.append((input_spec, tensor))
 
-    keeper: dict[int, InputSpec] = {}  # id(canonical tensor) -> the input that stays in use
+    keeper: dict[int, InputSpec] = {}  # id(group) -> the input that stays in use
     duplicates: dict[torch.fx.Node, torch.fx.Node] = {}
     aliased: dict[str, torch.Tensor] = {}  # persistent duplicates: state_dict key -> canonical tensor
     dropped: set[str] = set()  # input names removed from the signature
     for input_spec, tensor in offered:
-        canonical = store.canonical_of(tensor)
-        first = keeper.setdefault(id(canonical), input_spec)
+        first = keeper.setdefault(id(store.group_of(tensor)), input_spec)
         if first is input_spec:
             continue
         duplicates[placeholders[input_spec.arg.name]] = placeholders[first.arg.name]

@@ -16,14 +16,16 @@ from typing import Callable, Sequence
 
 import torch
 from torch._dynamo.utils import counters
-from torch.utils.weak import WeakIdKeyDictionary
 
 from rope_dedup.core.memory import TRIM_THRESHOLD_BYTES, release_if_freed
 from rope_dedup.core.sources import WatchedInput
 from rope_dedup.core.store import Action, CanonicalStore
-from rope_dedup.tensors import memory_ptr
+from rope_dedup.tensors import TensorMark, memory_ptr
 
 log = logging.getLogger("rope_dedup")
+
+# Refused tensors remembered per compiled graph: a model's worth of blocks many times over.
+_REJECTED_KEPT = 4096
 
 
 class InterningCallable:
@@ -54,10 +56,17 @@ class InterningCallable:
         self._merged = merged_inputs
         self._fallback_factory = fallback
         self._fallback: Callable | None = None
-        self._rejected = WeakIdKeyDictionary()  # tensors already refused: don't re-examine every call
+        # Tensors already refused, marked (a weak reference would stop torch.utils.swap_tensors): not examined
+        # again on every call. Bounded: nothing says when one is gone.
+        self._rejected: dict[int, TensorMark] = {}
         self._release_memory = release_memory
+        self._reads_only = not self._written and not self._merged
+        self._unshared = store.unshared
 
     def __call__(self, *args):
+        # The common call: a graph that only reads, every watched input already shared. One store question.
+        if self._reads_only and not self._unshared(args, self._positions):
+            return self._compiled(*args)
         if not self.intern_inputs(args):
             return self._run_unmerged(args)
         # Dynamo calls what a backend returns positionally, whatever ``_boxed_call`` says; so do we.
@@ -69,10 +78,8 @@ class InterningCallable:
         for position in self._written:  # empty for graphs that only read: the check costs them nothing
             if is_interned(args[position]):  # shared by a read-only graph since this one last ran
                 self._store.release(args[position])
-        is_shared_member = self._store.is_shared_member
-        for position in self._positions:
-            if not is_shared_member(args[position]):
-                self._intern(position, args[position])
+        for position in self._unshared(args, self._positions):
+            self._intern(position, args[position])
         for group in self._merged:
             ptr = memory_ptr(args[group[0]])
             for other in group[1:]:
@@ -81,7 +88,8 @@ class InterningCallable:
         return True
 
     def _intern(self, position: int, tensor: torch.Tensor) -> None:
-        if tensor in self._rejected:
+        rejected = self._rejected.get(id(tensor))
+        if rejected is not None and rejected.matches(tensor):
             return
         how = self._watched[position]
         try:
@@ -89,14 +97,19 @@ class InterningCallable:
         except Exception as error:  # never let bookkeeping break a forward pass
             log.warning("rope_dedup: run-time interning of %s failed, left unshared: %r", how.path, error)
             counters["rope_dedup"]["intern_errors"] += 1
-            self._rejected[tensor] = True
+            self._reject(tensor)
             return
         if offer.action is Action.SKIP:
-            self._rejected[tensor] = True
+            self._reject(tensor)
             return
         counters["rope_dedup"]["interned_at_runtime"] += 1
         if self._release_memory:
             release_if_freed(self._store, TRIM_THRESHOLD_BYTES)
+
+    def _reject(self, tensor: torch.Tensor) -> None:
+        if len(self._rejected) >= _REJECTED_KEPT:
+            self._rejected.clear()
+        self._rejected[id(tensor)] = TensorMark(tensor)
 
     def _run_unmerged(self, args: Sequence):
         if self._fallback is None:

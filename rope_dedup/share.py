@@ -55,13 +55,14 @@ def _still_filling(plan: Plan) -> Refusal | None:
     return Refusal(SkipReason.FILLING, f"{key.filled} of {key.length} positions written")
 
 
-def _offer(store: CanonicalStore, tensor: torch.Tensor, name: str, persistent: bool) -> Plan:
+def _offer(store: CanonicalStore, tensor: torch.Tensor, name: str, persistent: bool,
+           owner: tuple[torch.nn.Module, str]) -> Plan:
     with store.lock:
         plan = store.decide(tensor, persistent=persistent)
         refusal = _still_filling(plan)
         if refusal is not None:
             plan = Plan(Action.SKIP, refusal=refusal)
-        store.apply(plan, tensor, name)
+        store.apply(plan, tensor, name, owner)
     return plan
 
 
@@ -85,7 +86,7 @@ def share(*models: torch.nn.Module, backend: RopeDedupBackend | None = None, **s
     newly: list[str] = []
     for model in models:
         for path, tensor, _, persistent, module in module_state(model):
-            if _offer(store, tensor, path, persistent).action is Action.JOIN:
+            if _offer(store, tensor, path, persistent, (module, path.rpartition(".")[2])).action is Action.JOIN:
                 newly.append(path)
             if persistent:
                 guard_reload(module, store, tensor)
@@ -145,7 +146,7 @@ class sharing:  # noqa: N801 (used as a context manager, like torch.no_grad)
         label = f"{type(module).__name__}.{name}"
         known = name in module._buffers  # an assignment to an existing buffer: its persistence is set
         persistent = known and name not in module._non_persistent_buffers_set
-        action = _offer(self.store, tensor, label, persistent).action
+        action = _offer(self.store, tensor, label, persistent, (module, name)).action
         if action is Action.JOIN and self._release and not self.store.dry_run:
             # Freed tables of a few MB stay in glibc's heap, and the build's next layers do not always reuse
             # them: trim as interning does, once TRIM_THRESHOLD_BYTES more are freed, so the build's peak stays

@@ -13,6 +13,7 @@ import enum
 from typing import Iterator
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 try:
     from torch.distributed.tensor import DTensor
@@ -85,6 +86,29 @@ def same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.dtype == torch.complex32:
         return torch.equal(torch.view_as_real(a), torch.view_as_real(b))
     return torch.equal(a, b)
+
+
+class TensorMark:
+    """Knows a tensor again without holding it, strongly or weakly (a weak reference to a tensor makes
+    ``torch.utils.swap_tensors`` refuse it, and ``Module._apply`` swaps).
+
+    ``id()`` and the TensorImpl's address are both reused as soon as a tensor is gone, often by the very next
+    tensor made; its storage tells them apart: the weak reference to the StorageImpl kept here (which no swap
+    checks) keeps that address from being reused while the mark lives. A tensor without storage (meta) is
+    known by id and impl alone."""
+
+    __slots__ = ("ident", "impl", "storage")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.ident, self.impl = id(tensor), tensor._cdata
+        self.storage = StorageWeakRef(local(tensor).untyped_storage()) if has_storage(tensor) else None
+
+    def matches(self, tensor: torch.Tensor) -> bool:
+        if id(tensor) != self.ident or tensor._cdata != self.impl:
+            return False
+        if self.storage is None:
+            return not has_storage(tensor)
+        return has_storage(tensor) and local(tensor).untyped_storage()._cdata == self.storage.cdata
 
 
 class Origin(str, enum.Enum):

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # cuda_checks.sh [OUTDIR]
 #
-# Every CUDA figure of the project in one run, sized for one GPU machine and about 9 minutes of wall
-# time (CUDA_CHECKS_BUDGET_S, default 540). On a machine whose torch sees no CUDA device it stops
-# within seconds, before writing anything: exit 2 and one line on stderr.
+# Every CUDA figure of the project in one run, sized for one GPU machine and about 7.5 minutes of wall
+# time (CUDA_CHECKS_BUDGET_S, default 450), so that a rerun still fits the device time of a session. On a
+# machine whose torch sees no CUDA device it stops within seconds, before writing anything: exit 2 and one
+# line on stderr.
 #
 #   scripts/cuda_checks.sh                  # writes to ${OUT:-out/cuda}
 #   scripts/cuda_checks.sh /tmp/cuda-run
@@ -12,15 +13,17 @@
 #   a. torch must see a CUDA device, else exit 2: "no CUDA device visible to torch X.Y ...; nothing was run".
 #   b. set up, and record the machine (env.txt: torch, torch.version.cuda, device, missing test packages,
 #      nvidia-smi, then the set-up log).
-#   c. the tests that use CUDA (skipped on CPU; pytest -k 'cuda or device'; first part of pytest.txt).
-#   d. rope-dedup profile --preset titan-128k --device cuda (profile-titan-128k-cuda.{txt,json,png}).
-#   e. scripts/cuda_graphs_check.py: CUDA graphs (mode reduce-overhead) with and without rope_dedup,
-#      whole model and per block (cuda_graphs.{txt,json}).
-#   c'. the rest of the fast test suite (second part of pytest.txt) in the time left: it takes far longer than the
-#      budget on a few cores, so it runs last, in parallel where pytest-xdist is installed, and is cut
-#      off (SIGINT: pytest still prints its summary) when the budget is spent.
-#      tests/test_cuda_checks.py is left out: its CUDA test runs step e's script, which e runs anyway.
-#   f. a summary of exit codes (also summary.txt); exit 1 if any step failed, else 0.
+#   c. the device suite: ROPE_DEDUP_TEST_DEVICE=cuda pytest -m device (every test that takes the device
+#      fixture: recognition, keys, store, share/sharing, the backend on toy decoders, the audit, moves, the
+#      property suite's pinned sequences; and the CUDA-only ones), in parallel (pytest.txt).
+#   d. benchmarks (benchmarks.txt): the step time of rope_dedup against inductor alone, interleaved, with
+#      CUDA events (examples/bench_step_time.py; step-time-cuda.json), and the peak of .to("cuda") after
+#      share() against the unshared model (examples/bench_move_peak.py).
+#   e. rope-dedup profile --preset titan-128k --device cuda, modes compile, rope_dedup, regional, share and
+#      sharing (profile-titan-128k-cuda.{txt,json,png}).
+#   f. scripts/cuda_graphs_check.py: CUDA graphs (mode reduce-overhead) with and without rope_dedup, whole
+#      model and per block, in the time left (appended to benchmarks.txt).
+#   g. a summary of exit codes (also summary.txt); exit 1 if any step failed, else 0.
 #
 # Python: $PYTHON if set, else .venv/bin/python if .venv exists, else python3. When .venv is missing,
 # step b creates it from python3:
@@ -36,8 +39,8 @@
 # which torch the figures are for.
 #
 # Each step runs under `timeout` with what is left of the budget, minus what the later steps are
-# guaranteed (RESERVE_* below), SIGINT first. PYTEST_ARGS replaces the arguments of step c';
-# PYTEST_WORKERS (default 8, 0: serial) is pytest-xdist's -n there when xdist is installed.
+# guaranteed (RESERVE_* below), SIGINT first. PYTEST_WORKERS (default 8, 0: serial) is pytest-xdist's -n
+# in step c when xdist is installed.
 set -euo pipefail
 
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -45,12 +48,11 @@ outdir=${1:-${OUT:-out/cuda}}
 case $outdir in /*) ;; *) outdir=$PWD/$outdir ;; esac
 cd "$repo"
 
-budget=${CUDA_CHECKS_BUDGET_S:-540}
+budget=${CUDA_CHECKS_BUDGET_S:-450}
 started=$SECONDS
-# Seconds kept back for steps d and e, so that the steps before them cannot starve them (step c'
-# gets only what is left).
-RESERVE_PROFILE=270
-RESERVE_GRAPHS=150
+# Seconds kept back for the later steps, so that the steps before them cannot starve them.
+RESERVE_BENCH=150
+RESERVE_PROFILE=150
 
 say() { echo "cuda_checks: $*" >&2; }
 
@@ -76,7 +78,7 @@ elif [ "${probe#* }" != 1 ]; then
 fi
 
 mkdir -p "$outdir"
-rm -f "$outdir"/{env,pytest,summary,cuda_graphs}.txt "$outdir"/cuda_graphs.json "$outdir"/profile-titan-128k-cuda.*
+rm -f "$outdir"/{env,pytest,summary,benchmarks}.txt "$outdir"/step-time-cuda.json "$outdir"/profile-titan-128k-cuda.*
 names=() codes=() secs=() files=()
 
 # run_step NAME CAP RESERVE OUTFILE COMMAND...: run COMMAND, stdout and stderr appended to OUTFILE after a
@@ -171,45 +173,43 @@ py=$(cat "$chosen")
 say "setup done: $py, $(sed -n 's/^torch: //p' "$outdir/env.txt"), $(sed -n 's/^device: //p' "$outdir/env.txt")"
 export PYTHONUNBUFFERED=1
 
-# -- c. the tests that use CUDA ---------------------------------------------------------------------
-# In the test files that use torch.cuda, the tests whose names say so (test_device_moves_...,
-# test_key_carries_the_device, ..._on_nccl, ...); only those files are collected, which is quick.
+# -- c. the device suite -----------------------------------------------------------------------------
 # --continue-on-collection-errors: a test module whose package the image lacks must not hide the rest.
-cuda_tests="cuda or device"
-common_args=(-q -p no:cacheprovider --continue-on-collection-errors --ignore=tests/test_cuda_checks.py)
-mapfile -t cuda_files < <(grep -l 'torch\.cuda\.' tests/test_*.py | grep -v '^tests/test_cuda_checks\.py$' || true)
-run_step pytest-cuda 120 $((RESERVE_PROFILE + RESERVE_GRAPHS)) "$outdir/pytest.txt" \
-    "$py" -m pytest "${common_args[@]}" -rs -k "$cuda_tests" "${cuda_files[@]}"
+pytest_args=(-q -p no:cacheprovider -rs --continue-on-collection-errors -m device)
+workers=${PYTEST_WORKERS:-8}
+if [ "$workers" != 0 ] && "$py" -c 'import xdist' 2>/dev/null; then
+    pytest_args+=(-n "$workers")
+fi
+run_step device-suite 150 $((RESERVE_BENCH + RESERVE_PROFILE)) "$outdir/pytest.txt" \
+    env ROPE_DEDUP_TEST_DEVICE=cuda "$py" -m pytest "${pytest_args[@]}" tests
 
-# -- d. memory profile, titan-128k on CUDA ----------------------------------------------------------
-# Four modes (eager, compile, rope_dedup, regional), each in a fresh process; --timeout per mode is a
-# quarter of the step's limit less a margin, so a mode that hangs cannot take the other modes' time.
-left=$((budget - (SECONDS - started) - RESERVE_GRAPHS))
+# -- d. benchmarks ------------------------------------------------------------------------------------
+# 40 layers whole (the 1.48 of the first GPU run, launch-bound: 1 token) and per block at 40 and 126.
+bench=$outdir/benchmarks.txt
+run_step step-time 120 "$RESERVE_PROFILE" "$bench" \
+    "$py" examples/bench_step_time.py --device cuda --layers 40 --modes whole regional --rounds 60 \
+    --json "$outdir/step-time-cuda.json"
+run_step step-time-126 60 "$RESERVE_PROFILE" "$bench" \
+    "$py" examples/bench_step_time.py --device cuda --layers 126 --modes regional --rounds 40
+run_step move-peak 40 "$RESERVE_PROFILE" "$bench" \
+    "$py" examples/bench_move_peak.py --device cuda --layers 32 --context 131072
+
+# -- e. memory profile, titan-128k on CUDA ----------------------------------------------------------
+# Five modes, each in a fresh process; --timeout per mode is a fifth of the step's limit less a margin, so a
+# mode that hangs cannot take the other modes' time.
+left=$((budget - (SECONDS - started)))
 limit=$((left < RESERVE_PROFILE + 60 ? left : RESERVE_PROFILE + 60))
-per_mode=$(((limit - 20) / 4))
+per_mode=$(((limit - 20) / 5))
 if [ "$per_mode" -lt 10 ]; then per_mode=10; fi
 p=$outdir/profile-titan-128k-cuda
 run_step profile "$limit" 0 "$p.txt" \
     "$py" -m rope_dedup profile --preset titan-128k --device cuda --timeout "$per_mode" \
-    --json "$p.json" --plot "$p.png"
+    --modes compile,rope_dedup,regional,share,sharing --json "$p.json" --plot "$p.png"
 
-# -- e. CUDA graphs with and without rope_dedup -----------------------------------------------------
-run_step cuda_graphs "$RESERVE_GRAPHS" 0 "$outdir/cuda_graphs.txt" \
-    "$py" scripts/cuda_graphs_check.py --json "$outdir/cuda_graphs.json"
+# -- f. CUDA graphs with and without rope_dedup, in the time left --------------------------------------
+run_step cuda_graphs "$budget" 0 "$bench" "$py" scripts/cuda_graphs_check.py
 
-# -- c'. the rest of the fast test suite, in the time left ------------------------------------------
-if [ -n "${PYTEST_ARGS:-}" ]; then
-    read -r -a pytest_args <<<"$PYTEST_ARGS"
-else
-    pytest_args=("${common_args[@]}" -k "not ($cuda_tests)")
-    workers=${PYTEST_WORKERS:-8}
-    if [ "$workers" != 0 ] && "$py" -c 'import xdist' 2>/dev/null; then
-        pytest_args+=(-n "$workers")
-    fi
-fi
-run_step pytest "$budget" 0 "$outdir/pytest.txt" "$py" -m pytest "${pytest_args[@]}"
-
-# -- f. summary -------------------------------------------------------------------------------------
+# -- g. summary -------------------------------------------------------------------------------------
 failed=0
 for c in "${codes[@]}"; do
     if [ "$c" -ne 0 ]; then failed=1; fi
@@ -224,6 +224,7 @@ done
     # pytest's summary lines ("3 failed, 120 passed in 80.1s"), one per pass
     grep -E '^(=+ )?[0-9]+ (passed|failed|skipped|deselected|error)|no tests ran|^skipped: out of time' \
         "$outdir/pytest.txt" | sed -E 's/^=+ //; s/ =+$//; s/^/pytest: /' || true
-    grep -E '^(OK|FAILED|[0-9]+ check)' "$outdir/cuda_graphs.txt" | sed 's/^/cuda_graphs: /' || true
+    grep -E '^(OK|FAILED|[0-9]+ check)' "$bench" | sed 's/^/cuda_graphs: /' || true
+    grep -E '^(worst median|  peak of the move|  shared / unshared)' "$bench" | sed 's/^ */bench: /' || true
 } | tee "$outdir/summary.txt"
 exit "$failed"

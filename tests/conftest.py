@@ -1,7 +1,14 @@
-"""Shared test set-up: examples/ importable, a clean dynamo state and a private inductor cache per test."""
+"""Shared test set-up: examples/ importable, a clean dynamo state and a private inductor cache per test, and
+the device the device-generic tests put their tables and inputs on.
+
+``ROPE_DEDUP_TEST_DEVICE`` (default ``cpu``) names that device: ``ROPE_DEDUP_TEST_DEVICE=cuda pytest -m device``
+runs every test that takes the ``device`` fixture (they carry the ``device`` mark) on the GPU, and skips them
+cleanly where torch sees no such device. scripts/cuda_checks.sh runs it so.
+"""
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -29,3 +36,30 @@ def no_terminal_size(monkeypatch):
     they have whenever stdout is not a terminal, with or without ``-n``."""
     monkeypatch.delenv("COLUMNS", raising=False)
     monkeypatch.delenv("LINES", raising=False)
+
+
+TEST_DEVICE = os.environ.get("ROPE_DEDUP_TEST_DEVICE", "cpu")
+
+
+def device_available(device: torch.device) -> bool:
+    if device.type == "cpu":
+        return True
+    backend = getattr(torch, device.type, None)
+    count = backend.device_count() if backend is not None and backend.is_available() else 0
+    return count > (device.index or 0)
+
+
+@pytest.fixture(scope="session")
+def device() -> torch.device:
+    """Where device-generic tests put tables and inputs: ``ROPE_DEDUP_TEST_DEVICE``, skipped if absent."""
+    where = torch.device(TEST_DEVICE)
+    if not device_available(where):
+        pytest.skip(f"ROPE_DEDUP_TEST_DEVICE={TEST_DEVICE}: torch {torch.__version__} sees no such device")
+    return where
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """Every test that takes the ``device`` fixture is selectable with ``-m device``."""
+    for item in items:
+        if "device" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.device)

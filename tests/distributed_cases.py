@@ -55,6 +55,29 @@ def replicated_decoder(mesh, device: str) -> dict:
     }
 
 
+def dtensor_move_after_compile(mesh, device: str) -> dict:
+    """Case: replicated DTensor model compiled through rope_dedup, then moved. ``Module._apply`` always swaps a
+    DTensor parameter (torch.utils.swap_tensors), which refuses a tensor with a weak reference to it."""
+    torch.manual_seed(0)
+    reference = nn.Sequential(*(TPAttention(explicit=True) for _ in range(4))).to(device)
+    torch.manual_seed(0)
+    model = nn.Sequential(*(TPAttention(explicit=True) for _ in range(4))).to(device)
+    model = distribute_module(model, mesh, input_fn=lambda mod, inputs, mesh: tuple(
+        distribute_tensor(x, mesh, [Replicate()]) for x in inputs))
+    backend = RopeDedupBackend("aot_eager")
+    x = torch.randn(2, 16, 32, generator=torch.Generator().manual_seed(1)).to(device)
+    torch.compile(model, backend=backend)(x)
+    model.to(torch.float64)  # every parameter swapped, every buffer converted
+    reference.to(torch.float64)
+    tables = [b for layer in model for b in (layer.rope.cos, layer.rope.sin)]
+    out = model(distribute_tensor(x.double(), mesh, [Replicate()]))
+    return {
+        "after_move": local_storages(tables),
+        "dtypes": sorted({str(t.dtype) for t in tables}),
+        "max_abs_diff": (out.to_local() - reference(x.double())).abs().max().item(),
+    }
+
+
 class TPRope(nn.Module):
     """A per-layer RoPE cache kept as a replicated DTensor on the TP mesh, used through its local value."""
 
@@ -241,7 +264,7 @@ def main() -> None:
     mesh = init_device_mesh(device, (dist.get_world_size(),))
     cases = {"replicated": replicated_decoder, "tensor_parallel": tensor_parallel,
              "fsdp2_regional": fsdp2_regional, "pipeline": pipeline_chunks, "sharded": sharded_tables,
-             "meta_init_share": meta_init_share}
+             "meta_init_share": meta_init_share, "dtensor_move": dtensor_move_after_compile}
     selected = [c for c in cases if c in sys.argv] or list(cases)
     results = {}
     for name in selected:

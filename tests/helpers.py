@@ -21,10 +21,13 @@ def toy_blocks(model: nn.Module) -> nn.ModuleList:
     return model.layers
 
 
-def build(specs: list[TableRecipe], seed: int = 0, graph_break: bool = False) -> ToyDecoder:
-    """A toy decoder with seeded weights: two calls with the same arguments give identical models."""
+def build(specs: list[TableRecipe], seed: int = 0, graph_break: bool = False,
+          device: torch.device | str = "cpu") -> ToyDecoder:
+    """A toy decoder with seeded weights: two calls with the same arguments give identical models. Built on
+    ``device`` (under it, as model code builds there): weights drawn there differ from CPU's draw."""
     torch.manual_seed(seed)
-    return ToyDecoder(specs, graph_break=graph_break)
+    with torch.device(device):
+        return ToyDecoder(specs, graph_break=graph_break)
 
 
 def compile_model(model: nn.Module, backend, regional: bool, blocks: Blocks | None = toy_blocks) -> nn.Module:

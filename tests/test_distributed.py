@@ -65,6 +65,13 @@ def test_meta_build_then_share_after_init_then_compile(ranks) -> None:
                                       "(to_empty, init_weights)"]
 
 
+def test_a_dtensor_model_moves_after_a_compile_and_stays_shared(ranks) -> None:
+    """Before, the move raised: "_apply(): Couldn't swap Linear.weight" (a weak reference to every tensor)."""
+    for rank in per_rank(ranks, "dtensor_move"):
+        assert rank["after_move"] == 2 and rank["dtypes"] == ["torch.float64"]
+        assert rank["max_abs_diff"] == 0.0
+
+
 def test_pipeline_chunks_share_only_within_one_backend(ranks) -> None:
     for rank in per_rank(ranks, "pipeline"):
         assert rank == {"same_backend": 2, "two_backends": 4}

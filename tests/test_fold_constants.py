@@ -153,12 +153,12 @@ def test_bitwise_equal_to_the_compile_without_transforms(layout: str, inner: str
     assert not backend.report.errors
     if layout == "computed":  # theta 1e4, and 1e6 yarn bf16: two (cos, sin) pairs, each held once
         assert counters["rope_dedup"]["folded_tables"] == 4
-        # Each q or k call builds its table anew: 20 nodes for theta 1e4 (arange(0, 16, 2), float, / 16,
-        # pow, 1 / ., to(device), arange(128), outer, then cos and sin each * mscale, [:seq], two .to, cat)
-        # and 30 for the yarn table (its ramp adds 10). Four calls read the 1e4 table (layers 0 and 2, q
-        # and k): 3 x 20 merged; two the yarn one: 30 more; and the yarn table's first call repeats the
+        # Each q or k call builds its table anew: 19 nodes for theta 1e4 (arange(0, 16, 2) on the input's
+        # device, float, / 16, pow, 1 / ., arange(128), outer, then cos and sin each * mscale, [:seq], two .to,
+        # cat) and 29 for the yarn table (its ramp adds 10). Four calls read the 1e4 table (layers 0 and 2, q
+        # and k): 3 x 19 merged; two the yarn one: 29 more; and the yarn table's first call repeats the
         # 1e4 table's arange(0, 16, 2), float, / 16 and arange(128): 4 more.
-        assert counters["rope_dedup"]["merged_nodes"] == 3 * 20 + 30 + 4
+        assert counters["rope_dedup"]["merged_nodes"] == 3 * 19 + 29 + 4
     else:
         assert "folded_tables" not in counters["rope_dedup"]  # reads the inv_freq buffer: merged only
         # 17 nodes per q or k call (arange(seq), [None, None, :], inv_freq[None, :, None], float, @,

@@ -1,9 +1,10 @@
 """Models change after they are compiled: conversions, re-materialization, deletion, several backends.
 
-``.to(dtype)``, ``.to(device)``, ``to_empty()`` and meta-device init replace every module's buffers with
-new, unshared tensors. A recompile (new dtype or device: dynamo's guards fail) or run-time interning
-(same dtype and device: the compiled graph is reused) must bring memory back to the ideal, with outputs
-equal to eager and a bounded number of graphs.
+``.to(dtype)``, ``.to(device)`` and ``to_empty()`` keep shared tables shared (one converted table per group:
+rope_dedup/core/moves.py, tests/test_conversions.py); meta-device init and re-initialised buffers bring new,
+unshared tensors. A recompile (new dtype or device: dynamo's guards fail) or run-time interning (same dtype
+and device: the compiled graph is reused) keeps memory at the ideal, with outputs equal to eager and a
+bounded number of graphs.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ def test_dtype_conversions_recompile_once_and_share_again(scenario: str, regiona
     for dtype in (torch.float64, torch.float32, torch.float64):
         model.to(dtype)
         reference.to(dtype)
-        assert rope_storages(model) == len(rope_tensors(model))  # .to() gave every table its own copy again
+        assert rope_storages(model) == IDEAL[scenario]  # .to() converted one table per group
         check(model, compiled, reference, IDEAL[scenario])
         check(model, compiled, reference, IDEAL[scenario])
     # One new graph for float64 (whole model, or the one graph all blocks share); going back to a dtype
@@ -71,7 +72,7 @@ def test_to_empty_and_reinitialised_buffers_are_interned_without_a_recompile() -
     check(model, compiled, reference, IDEAL["local_global"])
     seen = graphs()
     model.to_empty(device="cpu")
-    assert rope_storages(model) == len(rope_tensors(model))
+    assert rope_storages(model) == IDEAL["local_global"]  # one uninitialized table per group
     model.load_state_dict(reference.state_dict())
     reinitialise(model, reference)
     check(model, compiled, reference, IDEAL["local_global"])
@@ -100,20 +101,21 @@ def test_compiling_a_meta_model_skips_its_tables_with_the_reason() -> None:
     assert reasons == {SkipReason.META.value}
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="moving between devices needs a CUDA device")
-def test_device_moves_recompile_and_share_on_each_device() -> None:
+def test_device_moves_recompile_and_share_on_each_device(device: torch.device) -> None:
+    if device.type == "cpu":
+        pytest.skip("moving between devices needs a device besides the CPU: ROPE_DEDUP_TEST_DEVICE=cuda")
     torch.manual_seed(0)
     model, reference = ToyDecoder(SPECS["local_global"]).eval(), ToyDecoder(SPECS["local_global"]).eval()
     reference.load_state_dict(model.state_dict())
     compiled = torch.compile(model, backend=RopeDedupBackend("eager"))
-    for device in ("cuda", "cpu", "cuda"):
-        model.to(device)
-        reference.to(device)
+    for where in (device, "cpu", device):
+        model.to(where)
+        reference.to(where)
         with torch.no_grad():
-            torch.testing.assert_close(compiled(TOKENS.to(device)), reference(TOKENS.to(device)), rtol=0, atol=0)
+            torch.testing.assert_close(compiled(TOKENS.to(where)), reference(TOKENS.to(where)), rtol=0, atol=0)
         assert rope_storages(model) == IDEAL["local_global"]
-    # One graph per device: the device guard fails on cpu (a recompile), and back on cuda the first graph's
-    # guards hold again (as for dtypes above), so it is reused.
+    # One graph per device: the device guard fails on cpu (a recompile), and back on the device the first
+    # graph's guards hold again (as for dtypes above), so it is reused.
     assert graphs() == 2
 
 

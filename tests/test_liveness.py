@@ -59,3 +59,16 @@ def test_a_canonical_moved_to_meta_is_never_handed_out() -> None:
     assert {store.offer(t, name=name).action.name for name, t in rope_tensors(first)} == {"SKIP"}
     assert [store.offer(t, name=name).action.name for name, t in rope_tensors(second)] == ["NEW", "NEW", "JOIN", "JOIN"]
     assert set(store.departed) == {name for name, _ in rope_tensors(first)}
+
+
+def test_a_storage_freed_in_place_stays_freed_when_the_store_looks_at_it() -> None:
+    """The store reads a canonical table through a tensor it sets onto the storage; set_ grows a storage
+    that is too small, so a look at a freed one (sleep mode) would have given it back its bytes, garbage."""
+    store = CanonicalStore()
+    first, second = ToyDecoder(homogeneous(1)), ToyDecoder(homogeneous(1))
+    (_, table), (_, twin) = rope_tensors(first)[0], rope_tensors(second)[0]
+    store.offer(table, name="a.cos")
+    table.untyped_storage().resize_(0)
+    assert store.offer(twin, name="b.cos").action.name == "NEW"  # the freed one is not compared, not joined
+    assert table.untyped_storage().nbytes() == 0
+    assert set(store.departed) == {"a.cos"}

@@ -8,11 +8,13 @@ the graphs read is shared or skipped with a reason. A third path shares without 
 (``rope_dedup.share`` after a forward): eager outputs bitwise equal to the unshared model, storages at the
 ideal of share()'s rules.
 
-Between calls, each sequence takes one or two lifecycle steps, done alike to the model with and without
-sharing (:data:`STEPS`): its tables freed in place while another model runs through the same backend,
-then refilled (sleep mode, SGLang #33575); ``to_empty`` and re-init, from CPU or from meta; ``to(float64)``;
-and ``load_state_dict`` of a checkpoint whose tables are equal or differ in one layer (tables are drawn
-persistent or not, and the backend shares persistent ones or not). The share() path calls share() again
+Tables are computed by each route model code takes (``outer``, HF's matmul, ``einsum``, float64 then cast:
+:data:`~rope_dedup.testing.toy_decoder.ROUTES`). Between calls, each sequence takes one or two lifecycle steps,
+done alike to the model with and without sharing (:data:`STEPS`): its tables freed in place while another
+model runs through the same backend, then refilled (sleep mode, SGLang #33575); ``to_empty`` and re-init, from
+CPU or from meta; ``double()``, ``double()`` with ``set_swap_module_params_on_conversion(True)`` (every
+parameter swapped), ``half().float()``; and ``load_state_dict`` of a checkpoint whose tables are equal or
+differ in one layer (tables are drawn persistent or not, and the backend shares persistent ones or not). The share() path calls share() again
 after each step, as a user would. ``ROPE_DEDUP_PROPERTY_EXAMPLES`` sets the number of examples over the
 three inner backends (default 50: 25 eager, 20 aot_eager, 5 inductor; the long run uses 500), plus 3/10
 of it for share().
@@ -24,20 +26,21 @@ import os
 from dataclasses import replace
 from typing import Callable
 
+import pytest
 import torch
-from hypothesis import HealthCheck, example, given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from helpers import build, compile_model, unwrap
 from torch._dynamo.utils import counters
 from ideal import ideal_storages
-from rope_dedup.testing.toy_decoder import FILLED_LAYOUTS, LAYOUTS, SCALINGS, TableRecipe, rope_tensors
+from rope_dedup.testing.toy_decoder import FILLED_LAYOUTS, LAYOUTS, ROUTES, SCALINGS, TableRecipe, rope_tensors
 
 from rope_dedup import RopeDedupBackend, share
 from rope_dedup.tensors import same_values
 
 EXAMPLES = int(os.environ.get("ROPE_DEDUP_PROPERTY_EXAMPLES", "50"))
 SEQ = 8
-STEPS = ("free", "to_empty", "meta", "float64", "reload_equal", "reload_other")
+STEPS = ("free", "to_empty", "meta", "float64", "swap_float64", "half_float", "reload_equal", "reload_other")
 
 
 @st.composite
@@ -51,6 +54,7 @@ def rope_specs(draw) -> TableRecipe:
         scaling=draw(st.sampled_from(SCALINGS)),
         factor=draw(st.sampled_from([4.0, 8.0])),
         persistent=draw(st.booleans()),
+        route=draw(st.sampled_from(ROUTES)),
     )
 
 
@@ -66,6 +70,7 @@ def decoders(draw, inner: str):
         "seed": draw(st.integers(0, 2**16)),
         "steps": draw(st.lists(st.sampled_from(STEPS), min_size=1, max_size=2)),
         "share_persistent": draw(st.booleans()),
+        "device": "cpu",
     }
 
 
@@ -95,8 +100,8 @@ def moving_frequencies(tensor: torch.Tensor) -> int:
     return len({tuple(column.tolist()) for column in moving.T})
 
 
-def tokens(i: int) -> torch.Tensor:
-    return torch.randint(0, 64, (1, SEQ), generator=torch.Generator().manual_seed(i))
+def tokens(i: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    return torch.randint(0, 64, (1, SEQ), generator=torch.Generator().manual_seed(i)).to(device)
 
 
 def sleep_and_wake(model: torch.nn.Module, meanwhile: Callable[[], None]) -> None:
@@ -112,12 +117,12 @@ def sleep_and_wake(model: torch.nn.Module, meanwhile: Callable[[], None]) -> Non
             t.copy_(value)
 
 
-def re_init(model: torch.nn.Module, via_meta: bool) -> None:
+def re_init(model: torch.nn.Module, via_meta: bool, device: torch.device | str) -> None:
     """``to_empty`` (from meta when ``via_meta``), then every parameter and buffer filled again as it was."""
     state = {name: t.detach().clone() for name, t in [*model.named_parameters(), *model.named_buffers()]}
     if via_meta:
         model.to("meta")
-    model.to_empty(device="cpu")
+    model.to_empty(device=device)
     with torch.no_grad():
         for name, t in [*model.named_parameters(), *model.named_buffers()]:
             t.copy_(state[name])
@@ -128,7 +133,7 @@ def reload(model: torch.nn.Module, case, other_theta: bool) -> None:
     specs = case["specs"]
     if other_theta:
         specs = [replace(specs[0], theta=specs[0].theta * 3), *specs[1:]]
-    checkpoint = build(specs, case["seed"], case["graph_break"]).state_dict()
+    checkpoint = build(specs, case["seed"], case["graph_break"], case["device"]).state_dict()
     # Regional compile puts ``_orig_mod`` in the compiled blocks' keys.
     model.load_state_dict({k: checkpoint[k.replace("_orig_mod.", "")] for k in model.state_dict()})
 
@@ -138,20 +143,29 @@ def run_sequence(case, model: torch.nn.Module, call: Callable, ready_other: Call
     """Two calls, then one more after each of the case's steps, then the first call again. ``free`` runs
     another model of the same recipes, readied by ``ready_other`` (compiled or shared), while ``model``
     sleeps; its output joins the list."""
-    outputs = [call(tokens(0)), call(tokens(1))]
+    device = case["device"]
+    outputs = [call(tokens(0, device)), call(tokens(1, device))]
     for i, step in enumerate(case["steps"], 2):
         if step == "free":
-            other = build(case["specs"], case["seed"] + 1, case["graph_break"])
-            sleep_and_wake(model, lambda: outputs.append(ready_other(other)(tokens(0))))
+            other = build(case["specs"], case["seed"] + 1, case["graph_break"], device)
+            sleep_and_wake(model, lambda: outputs.append(ready_other(other)(tokens(0, device))))
         elif step in ("to_empty", "meta"):
-            re_init(model, via_meta=step == "meta")
+            re_init(model, via_meta=step == "meta", device=device)
         elif step == "float64":
             model.double()  # not to(float64): that would drop a complex table's imaginary part
+        elif step == "swap_float64":
+            torch.__future__.set_swap_module_params_on_conversion(True)
+            try:
+                model.double()
+            finally:
+                torch.__future__.set_swap_module_params_on_conversion(False)
+        elif step == "half_float":
+            model.half().float()
         else:
             reload(model, case, other_theta=step == "reload_other")
         after_step()
-        outputs.append(call(tokens(i)))
-    outputs.append(call(tokens(0)))
+        outputs.append(call(tokens(i, device)))
+    outputs.append(call(tokens(0, device)))
     return outputs
 
 
@@ -165,9 +179,10 @@ def own_storage(case, model: torch.nn.Module) -> set[int]:
 
 
 def unread_after_a_move(case, model: torch.nn.Module) -> set[int]:
-    """ids of the filled caches' ``freqs`` once a move gave the model new tensors: only the forward that
-    fills a cache reads them, so no graph offers the new ones and each keeps its own storage."""
-    if not any(step in ("to_empty", "meta", "float64") for step in case["steps"]):
+    """ids of the filled caches' ``freqs`` once a move to meta gave the model new tensors (re-init then makes
+    new ones again): only the forward that fills a cache reads them, so no graph offers the new ones and each
+    keeps its own storage. Other moves keep shared tables shared (rope_dedup/core/moves.py)."""
+    if "meta" not in case["steps"]:
         return set()
     return {id(t) for name, t in rope_tensors(model)
             if name.endswith(".freqs") and model.get_submodule(name.rpartition(".")[0]).spec.layout == "filled_cache"}
@@ -176,7 +191,7 @@ def unread_after_a_move(case, model: torch.nn.Module) -> set[int]:
 def keeps_every_promise(case) -> None:
     torch._dynamo.reset()
     counters.clear()
-    plain_model = build(case["specs"], case["seed"], case["graph_break"])
+    plain_model = build(case["specs"], case["seed"], case["graph_break"], case["device"])
     plain = compile_model(plain_model, case["inner"], case["regional"])
     expected = run_sequence(case, plain_model, plain,
                             lambda other: compile_model(other, case["inner"], case["regional"]))
@@ -193,7 +208,7 @@ def keeps_every_promise(case) -> None:
 
     torch._dynamo.reset()
     counters.clear()
-    model = build(case["specs"], case["seed"], case["graph_break"])
+    model = build(case["specs"], case["seed"], case["graph_break"], case["device"])
     fills = {name: t.clone() for name, t in rope_tensors(model) if written(name)}
     backend = RopeDedupBackend(case["inner"], share_persistent=case["share_persistent"])
     compiled = compile_model(model, backend, case["regional"])
@@ -239,8 +254,8 @@ def share_keeps_every_promise(case) -> None:
         share(model, **settings)
         return model
 
-    reference = build(case["specs"], case["seed"], case["graph_break"])
-    model = build(case["specs"], case["seed"], case["graph_break"])
+    reference = build(case["specs"], case["seed"], case["graph_break"], case["device"])
+    model = build(case["specs"], case["seed"], case["graph_break"], case["device"])
     with torch.no_grad():
         expected = run_sequence(case, reference, reference, lambda other: other)
         model(tokens(0))
@@ -264,20 +279,27 @@ def share_keeps_every_promise(case) -> None:
     assert not report.errors
 
 
-def found_by_the_long_run(inner: str) -> list[dict]:
-    """Sequences the 500-example run failed on, run first every time. Two filled caches around a plain table,
-    per-block compile with graph breaks: after ``free`` the refilled cache of the second layer pointed at
-    the canonical's memory without being a member (unreported, and unshare() would have missed it);
-    after ``to_empty`` the new ``freqs`` are read by no graph; three filled caches reloaded with a fresh
-    model's zeros stay one shared storage (found under inductor)."""
+def found_by_the_long_run(inner: str, device: torch.device | str) -> list[dict]:
+    """Sequences the 500-example runs failed on. Two filled caches around a plain table, per-block compile with
+    graph breaks: after ``free`` the refilled cache of the second layer pointed at the canonical's memory
+    without being a member (unreported, and unshare() would have missed it); after ``to_empty`` the new
+    ``freqs`` are read by no graph; three filled caches reloaded with a fresh model's zeros stay one shared
+    storage (found under inductor)."""
     cos_sin, filled = TableRecipe(max_len=16), TableRecipe(layout="filled_cache", max_len=16)
     saved_cos_sin, saved_filled = replace(cos_sin, persistent=True), replace(filled, persistent=True)
     return [{"specs": [cos_sin, cos_sin, filled, cos_sin, filled], "graph_break": True, "regional": True,
-             "inner": inner, "seed": 18888, "steps": [step], "share_persistent": False}
+             "inner": inner, "seed": 18888, "steps": [step], "share_persistent": False, "device": device}
             for step in ("free", "to_empty")] + [
             {"specs": [saved_filled, saved_cos_sin, saved_filled, saved_filled, saved_cos_sin], "graph_break": True,
              "regional": True, "inner": inner, "seed": 14119, "steps": ["float64", "reload_equal"],
-             "share_persistent": True}]
+             "share_persistent": True, "device": device}]
+
+
+@pytest.mark.parametrize("index", range(3))
+@pytest.mark.parametrize("inner", ["eager", "aot_eager"])
+def test_sequences_found_by_the_long_run(inner: str, index: int, device: torch.device) -> None:
+    """Run every time, on the test device (ROPE_DEDUP_TEST_DEVICE), before anything is generated."""
+    keeps_every_promise(found_by_the_long_run(inner, device)[index])
 
 
 def random_decoders(inner: str, tenths: int):
@@ -287,9 +309,6 @@ def random_decoders(inner: str, tenths: int):
     @given(decoders(inner))
     def test(case) -> None:
         (share_keeps_every_promise if inner == "share" else keeps_every_promise)(case)
-    if inner in ("eager", "aot_eager"):
-        for case in found_by_the_long_run(inner):
-            test = example(case)(test)
     return test
 
 

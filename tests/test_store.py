@@ -33,7 +33,7 @@ def test_decide_changes_nothing_and_apply_does_what_it_said() -> None:
     assert ptr(twin) == ptr(first)
     assert store.decide(twin).action is Action.KNOWN
     assert store.offer(other, name="c.cos").action is Action.NEW
-    assert [len(live) for _, live in store.snapshot()] == [2, 1]
+    assert [len(live) for _, live, _ in store.snapshot()] == [2, 1]
 
 
 @pytest.mark.parametrize("tensor, written, persistent, reason", [
@@ -73,5 +73,5 @@ def test_a_dry_run_records_the_same_groups_and_moves_no_storage() -> None:
         assert dry.offer(for_dry, name=name).action is real.offer(for_real, name=name).action
     assert {name: ptr(pair[0]) for name, pair in tables.items()} == before
     assert len({ptr(pair[1]) for pair in tables.values()}) == 1
-    assert [[m.name for _, m in live] for _, live in dry.snapshot()] == \
-        [[m.name for _, m in live] for _, live in real.snapshot()]
+    assert [[m.name for m in live] for _, live, _ in dry.snapshot()] == \
+        [[m.name for m in live] for _, live, _ in real.snapshot()]

@@ -6,9 +6,10 @@ aliases make per-tensor sums lie.
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
 import torch
 
@@ -16,7 +17,7 @@ from rope_dedup.core.eligibility import Refusal, SkipReason
 from rope_dedup.tables.keys import RopeKey
 from rope_dedup.core.store import base_name
 from rope_dedup.core.text import format_bytes, format_table
-from rope_dedup.tensors import describe_placement, local, module_tensors, storage_nbytes, storage_ptr
+from rope_dedup.tensors import describe_placement, module_tensors, storage_nbytes
 
 
 @dataclass(frozen=True)
@@ -112,27 +113,29 @@ class DedupReport:
         departed tables were replaced by a tensor that is not shared (a cache regrown in forward).
         """
         tensors = module_tensors(model) if model is not None else {}
-        full = {ident: path for ident, (path, _) in tensors.items()}
+
+        def path_in_model(ident: int, matches: Callable[[torch.Tensor], bool]) -> str | None:
+            found = tensors.get(ident)
+            return found[0] if found is not None and matches(found[1]) else None
+
         groups = []
-        for group, live in store.snapshot():
-            after = {storage_ptr(t): storage_nbytes(t) for t, _ in live}
-            table = local(live[0][0])
-            if store.dry_run:  # nothing was aliased: "after" is what sharing would leave
-                after = {0: storage_nbytes(table)}
+        snapshot = store.snapshot()
+        for group, live, storage_bytes in snapshot:
             groups.append(Group(
                 key=group.key,
-                members=[full.get(id(t), m.name) for t, m in live],
-                table_bytes=table.numel() * table.element_size(),
-                bytes_before=sum(m.original_nbytes for _, m in live),
-                bytes_after=sum(after.values()),
+                members=[path_in_model(m.ident, lambda t, m=m: store.member(t) is m) or m.name for m in live],
+                table_bytes=math.prod(group.shape) * group.key.dtype.itemsize,
+                bytes_before=sum(m.original_nbytes for m in live),
+                bytes_after=storage_bytes,  # one storage per group; in a dry run, what sharing would leave
                 conflict_with=group.conflict_with,
                 placement=describe_placement(group.placement),
             ))
         skipped = []
         for path, refusal in store.skipped.items():
-            named = sorted(full[id(t)] for t in store.skipped_tensors(path) if id(t) in full)
+            named = sorted(p for p in (path_in_model(mark.ident, mark.matches) for mark in store.skipped_marks(path))
+                           if p is not None)
             skipped += [Skip(p, refusal) for p in (named or [path])]
-        shared = {base_name(m.name) for _, live in store.snapshot() for _, m in live}
+        shared = {base_name(m.name) for _, live, _ in snapshot for m in live}
         shared |= {m for g in groups for m in g.members}
         return cls(groups, skipped, list(errors), _departed(store, shared, tensors))
 

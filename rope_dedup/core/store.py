@@ -2,7 +2,16 @@
 
 One store belongs to one backend instance and outlives the graphs it compiles, because with regional
 compilation or graph breaks a single compiled graph serves every layer and only run-time interning
-can reach the other layers' tables. It holds weak references only: dropping a model frees its tables.
+can reach the other layers' tables.
+
+It holds no reference of any kind to a user tensor, strong or weak: a weak reference makes
+``torch.utils.swap_tensors`` refuse the tensor, and ``Module._apply`` swaps (DTensor models, FSDP2's
+``to_empty``, ``set_swap_module_params_on_conversion``). A member is known by ``id()`` and by its
+TensorImpl (``_cdata``), checked together, since an ``id`` is reused once its tensor is gone; the
+canonical memory by a weak reference to its *storage* (:class:`~torch.multiprocessing.reductions.StorageWeakRef`,
+which no swap checks), turned back into a tensor only for the moment a comparison or an alias needs it.
+Dropping a model frees its tables. A member is live while its storage is: where its owning module is known
+(a weak reference to the module, and the attribute's name), also only while that module still holds it.
 
 ``offer`` is the single entry point for both compile time and run time: :meth:`CanonicalStore.decide`
 makes a :class:`Plan` from the store's state, the safety rules
@@ -18,28 +27,41 @@ import enum
 import logging
 import threading
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Sequence
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from rope_dedup.core.eligibility import Refusal, SkipReason, why_not_shareable
 from rope_dedup.tables.keys import RopeKey, infer_key
-from rope_dedup.tables.recognize import NotRope, recognize_rope_table
-from rope_dedup.tensors import local, memory_ptr, placement, readable, same_values, storage_nbytes, storage_ptr
+from rope_dedup.tables.recognize import NotRope, RopeTable, recognize_rope_table
+from rope_dedup.tensors import TensorMark, has_storage, local, memory_ptr, placement, same_values, storage_nbytes, storage_ptr
 
 log = logging.getLogger("rope_dedup")
 
+# Names kept per skip name for report_for(model): one per block under regional compile; a bound, since the
+# tensors behind them come and go (a cache regrown on every call) and nothing says when one is gone.
+_SKIPPED_IDS_PER_NAME = 4096
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+_expired = torch.UntypedStorage._expired  # a storage's weak reference has no strong one left
 
-@dataclass
+
+@dataclass(eq=False)
 class _Member:
-    ref: weakref.ref
+    ident: int  # id(tensor)
+    impl: int  # tensor._cdata: id() alone is reused once the tensor is gone
     name: str
     original_nbytes: int  # storage it held alone when first offered (0 if already shared): the "before" side
-    ptr: int  # memory_ptr when it joined: the key of the store's pointer count
+    ptr: int  # memory_ptr when it joined
+    storage: StorageWeakRef  # its storage when it joined (the canonical one, except in a dry run)
+    offset: int  # its storage_offset then
+    group: _Group
+    owner: weakref.ref | None = None  # the module holding it, where known (modules may be weakly referenced)
+    attr: str | None = None  # its name in that module
 
 
-@dataclass
+@dataclass(eq=False)
 class _Group:
     key: RopeKey
     shape: tuple[int, ...]  # of the local tensor
@@ -47,6 +69,9 @@ class _Group:
     placement: tuple | None  # DTensor (mesh, placements); tables share only within one
     members: dict[int, _Member] = field(default_factory=dict)  # id(tensor) -> member
     conflict_with: str | None = None  # name of a table with the same key but different content
+    # Moved by a conversion whose result is not a RoPE table (to_empty: uninitialized until re-init): the
+    # key is the one before the move until the content is recognized again.
+    pending: bool = False
 
 
 class Action(enum.Enum):
@@ -74,62 +99,87 @@ class Plan:
 
 
 class CanonicalStore:
-    """Canonical RoPE tables by key, verified equal before any sharing, weakly referenced."""
+    """Canonical RoPE tables by key, verified equal before any sharing; no reference to a user tensor kept."""
 
     def __init__(self, dry_run: bool = False, share_persistent: bool = False) -> None:
         self.dry_run = dry_run  # decide and report, but alias nothing (rope_dedup.explain)
         self.share_persistent = share_persistent  # also share buffers saved in a state_dict (opt-in)
         self._groups: list[_Group] = []
-        self._group_of: dict[int, _Group] = {}  # id(tensor) -> group
-        self._ptr_count: dict[int, int] = {}  # data_ptr of live members -> how many
-        self._excluded = WeakIdKeyDictionary()  # tensor -> Refusal: never share it again (unshare())
+        self._members: dict[int, _Member] = {}  # id(tensor) -> member (checked against the tensor's impl)
+        self._ptrs: dict[int, _Group] = {}  # memory_ptr of a member -> its group
+        self._excluded: dict[int, tuple[TensorMark, Refusal]] = {}  # id -> never share again (unshare())
         self.skipped: dict[str, Refusal] = {}
-        self._skipped_refs: dict[str, list[weakref.ref]] = {}  # name -> tensors skipped under it (see _skip)
+        self._skipped_marks: dict[str, dict[tuple[int, int], TensorMark]] = {}  # name -> tensors skipped under it
         self._names: dict[str, int] = {}
         # Members freed while shared, by name without its "#n": a cache regrown in forward drops the shared
         # table for a new one of its own, and the report must say so rather than go quiet about it.
-        self.departed: dict[str, tuple[int, RopeKey]] = {}
+        self._departed: dict[str, tuple[int, RopeKey]] = {}
         self.freed_cpu_bytes = 0  # CPU storage let go by aliasing since the owner last took the count
         # Deciding and applying happen under one lock: threads that run compiled models intern their inputs
         # while others compile, and two threads offering equal tables unlocked could both found a group, or
-        # join one the other is giving up. The per-call pointer check (is_interned) reads a dict and takes
-        # no lock. Reentrant: a weak-reference callback may forget a member while this thread holds it.
+        # join one the other is giving up. The per-call checks read dicts and take no lock.
         self.lock = threading.RLock()
 
     # -- the hot path -------------------------------------------------------------------------------
     def is_interned(self, tensor: torch.Tensor) -> bool:
-        """Cheap check used on every call: is this tensor's memory a canonical table's?"""
-        return memory_ptr(tensor) in self._ptr_count
+        """Cheap check used on every call: is this tensor's memory a live group's table?"""
+        group = self._ptrs.get(memory_ptr(tensor))
+        return group is not None and any(not m.storage.expired() for m in group.members.values())
 
-    def is_shared_member(self, tensor: torch.Tensor) -> bool:
-        """Cheap check used on every call: is this very tensor a member of a group, and its memory still a
-        canonical table's? (Memory alone does not say: a tensor that shared with members the store has since
-        forgotten points there too; membership alone does not either: a member's memory can be replaced.)"""
-        return id(tensor) in self._group_of and memory_ptr(tensor) in self._ptr_count
+    def unshared(self, tensors: Sequence[torch.Tensor], positions: Sequence[int]) -> list[int]:
+        """The hot path, once per call of a compiled graph: the positions whose tensor is not a shared member
+        (this very tensor in a group, reading the memory it joined with, whose storage lives: id and impl alone
+        are reused by the next tensor made, and with the storage alive no other tensor can have that memory).
+        Memory alone does not say either: a tensor that shared with members since forgotten points there too."""
+        members, expired = self._members, _expired
+        found = []
+        for position in positions:
+            tensor = tensors[position]
+            member = members.get(id(tensor))
+            if member is None or member.impl != tensor._cdata or expired(member.storage.cdata) or member.ptr != (
+                    tensor.data_ptr() if type(tensor) in _PLAIN else memory_ptr(tensor)):
+                found.append(position)
+        return found
+
+    def member(self, tensor: torch.Tensor) -> _Member | None:
+        """The record of ``tensor`` if it is a member of a group (this very tensor, not an equal one).
+
+        id() and the TensorImpl's address are both reused as soon as a tensor is gone, often by the next tensor
+        made (the same sizes come from the same free lists); the storage is what tells them apart: the store's
+        weak reference keeps the member's StorageImpl from being reused while the member is recorded."""
+        member = self._members.get(id(tensor))
+        if member is None or member.impl != tensor._cdata or not has_storage(tensor):
+            return None
+        return member if local(tensor).untyped_storage()._cdata == member.storage.cdata else None
 
     # -- deciding and sharing -----------------------------------------------------------------------
-    def offer(self, tensor: torch.Tensor, *, name: str, written: str | None = None, persistent: bool = False) -> Plan:
+    def offer(self, tensor: torch.Tensor, *, name: str, written: str | None = None, persistent: bool = False,
+              owner: tuple[torch.nn.Module, str] | None = None) -> Plan:
         """Share ``tensor`` with an equal canonical table if it is an unwritten RoPE table; else record why not.
 
         ``name`` is what the report calls it; ``written`` how a graph writes it (None: only read);
-        ``persistent`` whether it is saved in a state_dict. The rules that decide read the tensor itself.
-        Returns the plan that was applied."""
+        ``persistent`` whether it is saved in a state_dict; ``owner`` the module holding it and the name it
+        holds it under, where known (the store then knows when the module lets it go). The rules that decide
+        read the tensor itself. Returns the plan that was applied."""
         with self.lock:
             plan = self.decide(tensor, written=written, persistent=persistent)
-            self.apply(plan, tensor, name)
+            self.apply(plan, tensor, name, owner)
         return plan
 
     def decide(self, tensor: torch.Tensor, *, written: str | None = None, persistent: bool = False) -> Plan:
         """What :meth:`apply` would do with ``tensor``: reads the store and the tensor, and changes neither,
-        except that members whose storage is gone are forgotten before a canonical table is read."""
-        member = id(tensor) in self._group_of
-        if member and written is None:
+        except that groups whose storage is gone are forgotten before a canonical table is read."""
+        member = self.member(tensor)
+        if member is not None and written is None:
+            if member.group.pending:
+                self._rekey(member.group)
             return Plan(Action.KNOWN)
-        if tensor in self._excluded:
-            return Plan(Action.SKIP, member, refusal=self._excluded[tensor])
+        excluded = self._excluded.get(id(tensor))
+        if excluded is not None and excluded[0].matches(tensor):
+            return Plan(Action.SKIP, member is not None, refusal=excluded[1])
         refusal = why_not_shareable(tensor, written, persistent, self.share_persistent)
         if refusal is not None:
-            return Plan(Action.SKIP, member, refusal=refusal)
+            return Plan(Action.SKIP, member is not None, refusal=refusal)
         group = self._find_equal(tensor)
         if group is not None:
             return Plan(Action.JOIN, group=group)
@@ -138,7 +188,8 @@ class CanonicalStore:
             return Plan(Action.SKIP, refusal=Refusal(SkipReason.NOT_ROPE, table.reason))
         return Plan(Action.NEW, key=infer_key(table, local(tensor)))
 
-    def apply(self, plan: Plan, tensor: torch.Tensor, name: str) -> None:
+    def apply(self, plan: Plan, tensor: torch.Tensor, name: str,
+              owner: tuple[torch.nn.Module, str] | None = None) -> None:
         """Carry out ``plan`` for ``tensor``: the store's bookkeeping, and storage changes unless a dry run."""
         if plan.release_first:
             log.info("rope_dedup: %s is written by a graph compiled now; it gets its own storage back", name)
@@ -146,21 +197,25 @@ class CanonicalStore:
         if plan.action is Action.SKIP:
             self._skip(name, plan.refusal, tensor)
         elif plan.action is Action.JOIN:
-            self._alias(tensor, plan.group, self._unique_name(name))
+            self._alias(tensor, plan.group, self._unique_name(name), owner)
         elif plan.action is Action.NEW:
-            self._new_group(tensor, plan.key, self._unique_name(name))
+            self._new_group(tensor, plan.key, self._unique_name(name), owner)
 
-    def _live_canonical(self, group: _Group) -> torch.Tensor | None:
-        """The group's canonical table, checked before anything reads it: a member whose storage was freed or
-        shrunk in place, or moved to meta, is forgotten (counted as departed) and the next one stands in."""
-        for ident, member in list(group.members.items()):
-            tensor = member.ref()
-            if tensor is None:
+    def _canonical(self, group: _Group) -> torch.Tensor | None:
+        """The group's table as a tensor of its own (nothing else holds it), checked before anything reads it:
+        a group whose storage was freed, or freed or shrunk in place, is forgotten (its members departed)."""
+        for member in list(group.members.values()):
+            storage = torch.UntypedStorage._new_with_weak_ptr(member.storage.cdata)
+            if storage is None:  # this member's storage is gone (in a dry run members keep their own)
                 continue
-            if readable(tensor):
-                return tensor
+            # Checked before set_, which would grow a storage freed in place (resize_(0)) back, with garbage.
+            extent = 1 + sum((size - 1) * stride for size, stride in zip(group.shape, group.stride))
+            if storage.device.type != "meta" and storage.nbytes() >= (member.offset + extent) * group.key.dtype.itemsize:
+                return torch.empty(0, dtype=group.key.dtype, device=storage.device).set_(
+                    storage, member.offset, group.shape, group.stride)
             log.warning("rope_dedup: %s was freed or shrunk in place while shared: dropped from the store", member.name)
-            self._forget(ident, member.ptr, departed=True)
+            break
+        self._drop(group)
         return None
 
     def _find_equal(self, tensor: torch.Tensor) -> _Group | None:
@@ -173,13 +228,20 @@ class CanonicalStore:
                 continue
             if group.placement != placement(tensor):
                 continue
-            canonical = self._live_canonical(group)
-            if canonical is not None and _may_equal(local(canonical), mine) and same_values(local(canonical), mine):
+            canonical = self._canonical(group)
+            if canonical is None:
+                continue
+            # The very same memory (a table a move left aliased, offered again) is equal without a read.
+            if canonical.data_ptr() == mine.data_ptr() or (_may_equal(canonical, mine) and same_values(canonical, mine)):
                 return group
         return None
 
-    def _alias(self, tensor: torch.Tensor, group: _Group, name: str) -> None:
-        canonical, mine = local(self._live_canonical(group)), local(tensor)
+    def _alias(self, tensor: torch.Tensor, group: _Group, name: str,
+               owner: tuple[torch.nn.Module, str] | None) -> None:
+        canonical, mine = self._canonical(group), local(tensor)
+        if canonical is None:  # freed since decide(), by another thread
+            self._skip(name, Refusal(SkipReason.FREED), tensor)
+            return
         # Memory this tensor held on its own before sharing: none if it already lived in the canonical storage.
         original = 0 if storage_ptr(canonical) == storage_ptr(mine) else storage_nbytes(mine)
         moved = storage_ptr(canonical) != storage_ptr(mine) or canonical.storage_offset() != mine.storage_offset()
@@ -191,47 +253,77 @@ class CanonicalStore:
                 return
             if mine.device.type == "cpu":
                 self.freed_cpu_bytes += original
-        self._add_member(group, tensor, name, original)
+        self._add_member(group, tensor, name, original, owner)
 
-    def _new_group(self, tensor: torch.Tensor, key: RopeKey, name: str) -> None:
+    def _new_group(self, tensor: torch.Tensor, key: RopeKey, name: str, owner: tuple[torch.nn.Module, str] | None,
+                   original: int | None = None, pending: bool = False) -> _Group:
         mine = local(tensor)
-        group = _Group(key, tuple(mine.shape), tuple(mine.stride()), placement(tensor))
-        same_key = [g for g in self._groups if g.key == key]
+        group = _Group(key, tuple(mine.shape), tuple(mine.stride()), placement(tensor), pending=pending)
+        same_key = [g for g in self._groups if g.key == key and not g.pending] if not pending else []
         if same_key:
             first = next(iter(same_key[0].members.values())).name
             group.conflict_with = first
             log.warning("rope_dedup: %s has the same key as %s (%s) but different content; kept separate",
                         name, first, key)
         self._groups.append(group)
-        self._add_member(group, tensor, name, storage_nbytes(tensor))
+        self._add_member(group, tensor, name, storage_nbytes(tensor) if original is None else original, owner)
+        if not self.dry_run:
+            _SHARING.add(self)
+        return group
 
-    def _add_member(self, group: _Group, tensor: torch.Tensor, name: str, original_nbytes: int) -> None:
-        ident = id(tensor)
-        ptr = memory_ptr(tensor)
-        group.members[ident] = _Member(weakref.ref(tensor, lambda _: self._forget(ident, ptr, departed=True)),
-                                       name, original_nbytes, ptr)
-        self._group_of[ident] = group
-        self._ptr_count[ptr] = self._ptr_count.get(ptr, 0) + 1
+    def _add_member(self, group: _Group, tensor: torch.Tensor, name: str, original_nbytes: int,
+                    owner: tuple[torch.nn.Module, str] | None) -> None:
+        stale = self._members.get(id(tensor))
+        if stale is not None:  # a tensor gone since, whose id this one has now (or this one, joining again)
+            self._forget(stale, departed=self.member(tensor) is not stale)
+        mine = local(tensor)
+        member = _Member(id(tensor), tensor._cdata, name, original_nbytes, memory_ptr(tensor),
+                         StorageWeakRef(mine.untyped_storage()), mine.storage_offset(), group)
+        if owner is not None:
+            member.owner, member.attr = weakref.ref(owner[0]), owner[1]
+        group.members[member.ident] = member
+        self._members[member.ident] = member
+        self._ptrs[member.ptr] = group
         self.skipped.pop(name, None)
-        self._skipped_refs.pop(name, None)
+        self._skipped_marks.pop(name, None)
 
-    def _forget(self, ident: int, ptr: int, departed: bool = False) -> None:
-        group = self._group_of.pop(ident, None)
-        if group is None:
+    def _forget(self, member: _Member, departed: bool = False) -> None:
+        group = member.group
+        if group.members.get(member.ident) is not member:
             return
-        member = group.members.pop(ident, None)
-        if departed and member is not None:
+        del group.members[member.ident]
+        if self._members.get(member.ident) is member:
+            del self._members[member.ident]
+        if departed:
             base = base_name(member.name)
-            count, _ = self.departed.get(base, (0, group.key))
-            self.departed[base] = (count + 1, group.key)
+            count, _ = self._departed.get(base, (0, group.key))
+            self._departed[base] = (count + 1, group.key)
             log.info("rope_dedup: %s was freed while shared (its owner dropped or replaced it)", member.name)
-        count = self._ptr_count.get(ptr, 0) - 1
-        if count > 0:
-            self._ptr_count[ptr] = count
-        else:
-            self._ptr_count.pop(ptr, None)
-        if not group.members:
+        if not any(m.ptr == member.ptr for m in group.members.values()) and self._ptrs.get(member.ptr) is group:
+            del self._ptrs[member.ptr]
+        if not group.members and group in self._groups:
             self._groups.remove(group)
+
+    def _drop(self, group: _Group) -> None:
+        """Forget a group whose storage is gone: every member departed with it."""
+        for member in list(group.members.values()):
+            self._forget(member, departed=True)
+
+    def _prune(self) -> None:
+        """Forget what is gone: groups whose storage died, members whose owning module let them go."""
+        for group in list(self._groups):
+            if self._canonical(group) is None:
+                continue
+            for member in list(group.members.values()):
+                if not _still_held(member):
+                    self._forget(member, departed=True)
+
+    def _rekey(self, group: _Group) -> None:
+        """A group moved while its content was not a RoPE table (to_empty): key it once it is one again."""
+        canonical = self._canonical(group)
+        found = recognize_rope_table(canonical) if canonical is not None else None
+        if isinstance(found, RopeTable):
+            group.key, group.pending = infer_key(found, canonical), False
 
     def release(self, tensor: torch.Tensor, reason: Refusal | None = None) -> bool:
         """Give a shared tensor its own storage back; with ``reason``, never share it again.
@@ -240,22 +332,21 @@ class CanonicalStore:
         read it run), and by :func:`rope_dedup.unshare`. Returns whether the tensor was a member.
         """
         with self.lock:
-            if reason is not None:
-                self._excluded[tensor] = reason
-            group = self._group_of.get(id(tensor))
-            if group is None:
-                return False
-            member = group.members[id(tensor)]
-            self._forget(id(tensor), memory_ptr(tensor))
-            if any(m.ref() is not None for m in group.members.values()) and not self.dry_run:
-                _own_storage(local(tensor))
-                log.info("rope_dedup: %s has its own storage again", member.name)
-            return True
+            member = self.member(tensor)
+            if member is not None:
+                group = member.group
+                self._forget(member)
+                if group.members and not self.dry_run:
+                    _own_storage(local(tensor))
+                    log.info("rope_dedup: %s has its own storage again", member.name)
+            if reason is not None:  # marked with the storage it has now
+                self._excluded[id(tensor)] = (TensorMark(tensor), reason)
+            return member is not None
 
     def member_name(self, tensor: torch.Tensor) -> str | None:
         """The name ``tensor`` was shared under, or None if it is not a member of a group."""
-        group = self._group_of.get(id(tensor))
-        return None if group is None else group.members[id(tensor)].name
+        member = self.member(tensor)
+        return None if member is None else member.name
 
     def refuse(self, tensor: torch.Tensor, name: str, refusal: Refusal) -> None:
         """Give a member its own storage back and skip it for ``refusal``: a rule that could only be checked
@@ -265,14 +356,11 @@ class CanonicalStore:
             self._skip(name, refusal, tensor)
 
     def _skip(self, name: str, refusal: Refusal, tensor: torch.Tensor) -> None:
-        refs = self._skipped_refs.setdefault(name, [])
-        refs[:] = [r for r in refs if r() is not None]
-        # No weak reference to a trainable parameter: torch.utils.swap_tensors refuses a tensor that has one,
-        # and Module._apply swaps parameters (to_empty under FSDP2, or with swap_module_params_on_conversion).
-        # The report counts those skips without naming them; frozen ones (RoPE tables may be) are named.
-        trainable = isinstance(tensor, torch.nn.Parameter) and tensor.requires_grad
-        if not trainable and not any(r() is tensor for r in refs):
-            refs.append(weakref.ref(tensor))
+        # Marked, never referenced: the report names skipped tensors by their path in a model later.
+        seen = self._skipped_marks.setdefault(name, {})
+        seen[(id(tensor), tensor._cdata)] = TensorMark(tensor)
+        if len(seen) > _SKIPPED_IDS_PER_NAME:
+            del seen[next(iter(seen))]
         if self.skipped.get(name) != refusal:
             log.log(logging.DEBUG if refusal.routine else logging.INFO, "rope_dedup: skipped %s: %s", name,
                     refusal.message)
@@ -284,33 +372,99 @@ class CanonicalStore:
         self._names[name] = count + 1
         return name if count == 0 else f"{name}#{count}"
 
-    def canonical_of(self, tensor: torch.Tensor) -> torch.Tensor | None:
-        """The table ``tensor``'s group is represented by (its first live member), or None if not a member.
-
-        Lets a caller that removes duplicates instead of aliasing them (``dedup_exported``, dry runs)
-        find the one tensor to keep."""
-        group = self._group_of.get(id(tensor))
-        return None if group is None else self._live_canonical(group)
+    def group_of(self, tensor: torch.Tensor) -> _Group | None:
+        """The group ``tensor`` is a member of, or None: lets a caller that removes duplicates instead of
+        aliasing them (``dedup_exported``, dry runs) keep one tensor per group."""
+        member = self.member(tensor)
+        return None if member is None else member.group
 
     def take_freed_cpu_bytes(self) -> int:
         """CPU bytes aliasing let go since the last call (an upper bound: a view elsewhere may keep one)."""
         freed, self.freed_cpu_bytes = self.freed_cpu_bytes, 0
         return freed
 
-    # -- what the report reads ------------------------------------------------------------------
-    def skipped_tensors(self, name: str) -> list[torch.Tensor]:
-        """The live tensors skipped under ``name`` (one per block when a graph serves every block)."""
-        return [t for t in (r() for r in self._skipped_refs.get(name, ())) if t is not None]
+    # -- moves: Module._apply converts one table per group (rope_dedup.core.moves) ---------------------------
+    def transfer(self, group: _Group, converted: torch.Tensor,
+                 moved: list[tuple[_Member, torch.nn.Module, str, torch.Tensor]]) -> None:
+        """Members of ``group`` that a conversion (``.to()``, ``.half()``, ``to_empty()``) turned into tensors
+        reading ``converted``'s memory: they leave ``group`` (not departed: moved) and form a group of their
+        own, keyed by what ``converted`` holds now, or by the old key if that is no RoPE table (yet)."""
+        with self.lock:
+            for member, _, _, _ in moved:
+                # Moved to meta: nothing left to share or compare, as when each module gets a meta tensor.
+                self._forget(member, departed=not has_storage(converted))
+            if not has_storage(converted):
+                return
+            table = recognize_rope_table(local(converted))
+            pending = not isinstance(table, RopeTable)
+            key = replace(group.key, dtype=converted.dtype, device=local(converted).device) if pending \
+                else infer_key(table, local(converted))
+            nbytes = storage_nbytes(converted)
+            new: _Group | None = None
+            for member, module, attr, tensor in moved:
+                if new is None:
+                    new = self._new_group(tensor, key, member.name, (module, attr), original=nbytes, pending=pending)
+                else:
+                    self._add_member(new, tensor, member.name, nbytes, (module, attr))
 
-    def snapshot(self) -> list[tuple[_Group, list[tuple[torch.Tensor, _Member]]]]:
-        """Live groups with their live members, for the report."""
-        result = []
-        for group in self._groups:
-            live = [(m.ref(), m) for m in group.members.values()]
-            live = [(t, m) for t, m in live if t is not None]
-            if live:
-                result.append((group, live))
-        return result
+    # -- what the report reads ------------------------------------------------------------------
+    @property
+    def departed(self) -> dict[str, tuple[int, RopeKey]]:
+        """Members freed while shared, by name without its "#n": (how many, their key)."""
+        with self.lock:
+            self._prune()
+        return self._departed
+
+    def skipped_marks(self, name: str) -> list[TensorMark]:
+        """Marks of the tensors skipped under ``name`` (one per block when a graph serves every block)."""
+        return list(self._skipped_marks.get(name, {}).values())
+
+    def snapshot(self) -> list[tuple[_Group, list[_Member], int]]:
+        """Live groups, each with its live members and the bytes of the storage it reads, for the report."""
+        with self.lock:
+            self._prune()
+            result = []
+            for group in self._groups:
+                canonical = self._canonical(group)
+                if canonical is not None and group.members:
+                    result.append((group, list(group.members.values()), canonical.untyped_storage().nbytes()))
+            return result
+
+
+# Stores that alias tables, held strongly while any of their tables lives: a move must keep those shared even
+# when the backend that shared them is gone (share(model, backend=RopeDedupBackend()) drops its backend at once).
+_SHARING: set[CanonicalStore] = set()
+
+
+def live_stores() -> list[CanonicalStore]:
+    """Every store that shares a live table now: what a conversion must keep shared. A store whose every
+    storage is gone leaves the set here (without reading any table)."""
+    live = []
+    for store in list(_SHARING):
+        with store.lock:
+            if any(not m.storage.expired() for g in store._groups for m in g.members.values()):
+                live.append(store)
+            else:
+                _SHARING.discard(store)
+    return live
+
+
+def _held(module: torch.nn.Module, attr: str) -> torch.Tensor | None:
+    for holder in (module._parameters, module._buffers, module.__dict__):
+        tensor = holder.get(attr)
+        if isinstance(tensor, torch.Tensor):
+            return tensor
+    return None
+
+
+def _still_held(member: _Member) -> bool:
+    """Whether the member's owning module (where known) still holds it, reading the memory it joined with."""
+    if member.owner is None:
+        return True
+    module = member.owner()
+    tensor = _held(module, member.attr) if module is not None else None
+    return tensor is not None and id(tensor) == member.ident and tensor._cdata == member.impl \
+        and memory_ptr(tensor) == member.ptr
 
 
 def _may_equal(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -24,6 +24,9 @@ COMPUTED_LAYOUTS = ("computed", "from_inv_freq")
 # ``cached_freqs`` with its fill count): shared while read. Kept apart too: it is zeros until a forward.
 FILLED_LAYOUTS = ("filled_cache",)
 SCALINGS = (None, "linear", "ntk", "llama3", "yarn")
+# How a layer computes its angles, as model code does: each rounds differently. ``float64`` keeps the angles
+# and their cos/sin in float64 and casts the table at the end.
+ROUTES = ("outer", "matmul", "einsum", "float64")
 
 
 @dataclass(frozen=True)
@@ -38,6 +41,7 @@ class TableRecipe:
     scaling: str | None = None
     factor: float = 4.0
     persistent: bool = False  # saved in the state_dict: what a checkpoint reload writes into
+    route: str = "outer"  # how the angles are computed: one of ROUTES
 
     def __post_init__(self) -> None:
         known = LAYOUTS + COMPUTED_LAYOUTS + FILLED_LAYOUTS
@@ -45,6 +49,8 @@ class TableRecipe:
             raise ValueError(f"unknown layout {self.layout!r}; choose from {', '.join(known)}")
         if self.scaling not in SCALINGS:
             raise ValueError(f"unknown scaling {self.scaling!r}; choose from {SCALINGS}")
+        if self.route not in ROUTES:
+            raise ValueError(f"unknown route {self.route!r}; choose from {ROUTES}")
 
 
 def inv_freq(spec: TableRecipe, dim: int, device: torch.device | str | None = None) -> torch.Tensor:
@@ -77,6 +83,17 @@ def inv_freq(spec: TableRecipe, dim: int, device: torch.device | str | None = No
     return freqs
 
 
+def angles_of(route: str, positions: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    """(positions, freqs) angles the way ``route`` computes them (see ROUTES)."""
+    if route == "matmul":  # HF: inv_freq[None, :, None] @ position_ids[:, None, :], then transposed
+        return (freqs[None, :, None] @ positions[None, None, :]).transpose(1, 2)[0]
+    if route == "einsum":
+        return torch.einsum("i,j->ij", positions, freqs)
+    if route == "float64":
+        return torch.outer(positions.double(), freqs.double())
+    return torch.outer(positions, freqs)
+
+
 def yarn_mscale(spec: TableRecipe) -> float:
     return 0.1 * math.log(spec.factor) + 1.0 if spec.scaling == "yarn" else 1.0
 
@@ -94,7 +111,7 @@ class Rope(nn.Module):
         self.spec = spec
         self.dim = spec.rotary_dim or head_dim
         freqs = inv_freq(spec, self.dim, device)
-        angles = torch.outer(torch.arange(spec.max_len, dtype=torch.float32, device=device), freqs)
+        angles = angles_of(spec.route, torch.arange(spec.max_len, dtype=torch.float32, device=device), freqs)
         mscale = yarn_mscale(spec)
         # Each layout computes only what it stores, as model code does: the build's transient is one layer's.
         def cos() -> torch.Tensor:

@@ -279,16 +279,16 @@ def _interning_cost(capture: _Capture, step: Callable[[], Any]) -> tuple[float, 
     if not interning:
         return None
     calls = {id(fn): 0 for fn, _ in interning}
-    for fn, _ in interning:  # count calls during one step through an instance attribute, then remove it
-        def counted(args, fn=fn, original=fn.intern_inputs):
+    for fn, _ in interning:  # every call asks the store once: count those during one step, then put it back
+        def counted(args, positions, fn=fn, original=fn._unshared):
             calls[id(fn)] += 1
-            return original(args)
-        fn.intern_inputs = counted
+            return original(args, positions)
+        fn._unshared = counted
     try:
         step()
     finally:
         for fn, _ in interning:
-            del fn.intern_inputs
+            fn._unshared = fn._store.unshared
     number = 1000
     seconds = 0.0
     for fn, args in interning:

@@ -1,0 +1,173 @@
+"""Step time of a compiled model, rope_dedup against inductor alone, measured side by side in one process.
+
+    python examples/bench_step_time.py                            # 40 and 126 layers, tiny inputs, CPU
+    python examples/bench_step_time.py --device cuda --realistic  # CUDA events, plus one realistic shape
+    python examples/bench_step_time.py --layers 4 --rounds 20     # a quick look
+
+For each case two copies of one toy decoder (same weights, one RoPE cos/sin table per layer) are compiled,
+one with ``inductor`` and one with ``RopeDedupBackend()`` (inductor inside), whole or per block (regional,
+torchtitan's way). After a warm-up, the two take turns call by call, A B then B A in the next round, so that
+whatever else the machine does hits both alike. On CUDA each call is timed with CUDA events and synchronized
+before the next, so a launch-bound step counts its host time too. Tiny inputs (one token, batch 1) make
+fixed per-call costs show: dynamo's guards, the wrapper rope_dedup returns, the pointer check of run-time
+interning.
+
+Printed per case: the median step of each, the ratio of the medians and the median of the per-round ratios
+(each rope_dedup call over the inductor call beside it); the figure to hold against a target is the latter.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, Callable
+
+if __name__ == "__main__" and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:  # a cold cache for each run
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="step-time-inductor-")
+
+import torch  # noqa: E402
+
+from rope_dedup import RopeDedupBackend  # noqa: E402
+from rope_dedup.testing import toy_decoder as toy  # noqa: E402
+
+
+@dataclass(frozen=True)
+class Case:
+    layers: int
+    regional: bool
+    d_model: int = 32
+    heads: int = 2
+    seq: int = 1
+    batch: int = 1
+    context: int = 4096
+
+    @property
+    def name(self) -> str:
+        shape = f"d{self.d_model} seq {self.seq} x{self.batch}"
+        return f"{self.layers} layers, {'regional' if self.regional else 'whole'}, {shape}, context {self.context}"
+
+
+def build(case: Case, device: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = toy.ToyDecoder(toy.homogeneous(case.layers, max_len=case.context), d_model=case.d_model,
+                           heads=case.heads, vocab=256, device=device)
+    return model.eval()
+
+
+def compiled(model: torch.nn.Module, backend: Any, regional: bool) -> Callable:
+    if not regional:
+        return torch.compile(model, backend=backend)
+    for i, block in enumerate(model.layers):
+        model.layers[i] = torch.compile(block, backend=backend)
+    return model
+
+
+def timer(device: str) -> Callable[[Callable[[], Any]], float]:
+    """Seconds one call takes: CUDA events around it on CUDA (synchronized), perf_counter on CPU."""
+    if device == "cuda":
+        def cuda_time(call: Callable[[], Any]) -> float:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize()
+            start.record()
+            call()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end) / 1e3
+        return cuda_time
+
+    def cpu_time(call: Callable[[], Any]) -> float:
+        began = time.perf_counter()
+        call()
+        return time.perf_counter() - began
+    return cpu_time
+
+
+def measure(case: Case, device: str, rounds: int, warmup: int, inner: str = "inductor") -> dict[str, Any]:
+    torch._dynamo.reset()
+    reference = build(case, device)
+    twin = copy.deepcopy(reference)
+    tokens = torch.randint(0, 256, (case.batch, case.seq), generator=torch.Generator().manual_seed(0)).to(device)
+    backend = RopeDedupBackend(inner)
+    plain, deduped = compiled(reference, inner, case.regional), compiled(twin, backend, case.regional)
+    with torch.no_grad():
+        began = time.perf_counter()
+        expected = plain(tokens)
+        plain_first = time.perf_counter() - began
+        began = time.perf_counter()
+        found = deduped(tokens)
+        dedup_first = time.perf_counter() - began
+        torch.testing.assert_close(found, expected, rtol=0, atol=0)
+        for _ in range(warmup):
+            plain(tokens)
+            deduped(tokens)
+        time_one = timer(device)
+        times: dict[str, list[float]] = {"inductor": [], "rope_dedup": []}  # "inductor": the inner alone
+        for i in range(rounds):
+            order = [("inductor", plain), ("rope_dedup", deduped)]
+            for name, fn in order if i % 2 == 0 else order[::-1]:
+                times[name].append(time_one(lambda: fn(tokens)))
+    ratios = [d / p for p, d in zip(times["inductor"], times["rope_dedup"])]
+    report = backend.report
+    return {
+        "case": asdict(case),
+        "name": case.name,
+        "inductor_median_ms": 1e3 * statistics.median(times["inductor"]),
+        "rope_dedup_median_ms": 1e3 * statistics.median(times["rope_dedup"]),
+        "inductor_fastest_ms": 1e3 * min(times["inductor"]),
+        "rope_dedup_fastest_ms": 1e3 * min(times["rope_dedup"]),
+        "ratio_of_medians": statistics.median(times["rope_dedup"]) / statistics.median(times["inductor"]),
+        "median_paired_ratio": statistics.median(ratios),
+        "first_call_s": {"inductor": plain_first, "rope_dedup": dedup_first},
+        "rope_storages": {"groups": len(report.groups), "tensors": sum(len(g.members) for g in report.groups)},
+        "rounds": rounds,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--layers", type=int, nargs="+", default=[40, 126])
+    parser.add_argument("--modes", nargs="+", choices=["whole", "regional"], default=["whole", "regional"])
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--rounds", type=int, default=200)
+    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--realistic", action="store_true",
+                        help="also one realistic shape: 8 layers, d_model 1024, 16 heads, 256 tokens")
+    parser.add_argument("--target", type=float, default=1.02, help="median paired ratio to hold (default 1.02)")
+    parser.add_argument("--inner", default="inductor", help="the inner backend, alone and inside rope_dedup")
+    parser.add_argument("--json", help="write the figures here")
+    args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("--device cuda asked for, but CUDA is not available", file=sys.stderr)
+        return 2
+    cases = [Case(n, mode == "regional") for n in args.layers for mode in args.modes]
+    if args.realistic:
+        cases.append(Case(8, False, d_model=1024, heads=16, seq=256))
+    results = []
+    header = f"{'case':<58} {args.inner + ' ms':>11} {'rope_dedup ms':>13} {'median ratio':>12} {'paired':>7}"
+    print(header)
+    for case in cases:
+        result = measure(case, args.device, args.rounds, args.warmup, args.inner)
+        results.append(result)
+        print(f"{result['name']:<58} {result['inductor_median_ms']:>11.3f} {result['rope_dedup_median_ms']:>13.3f} "
+              f"{result['ratio_of_medians']:>12.3f} {result['median_paired_ratio']:>7.3f}", flush=True)
+    worst = max(r["median_paired_ratio"] for r in results)
+    verdict = "holds" if worst <= args.target else "missed"
+    print(f"worst median paired ratio {worst:.3f}: target <= {args.target} {verdict}")
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump({"device": torch.cuda.get_device_name() if args.device == "cuda" else platform.processor()
+                       or platform.machine(), "torch": torch.__version__, "threads": torch.get_num_threads(),
+                       "inner": args.inner, "results": results, "target": args.target, "worst": worst}, out, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
