@@ -41,6 +41,7 @@ from rope_dedup.tensors import same_values
 EXAMPLES = int(os.environ.get("ROPE_DEDUP_PROPERTY_EXAMPLES", "50"))
 SEQ = 8
 STEPS = ("free", "to_empty", "meta", "float64", "swap_float64", "half_float", "reload_equal", "reload_other")
+MOVES = ("to_empty", "float64", "swap_float64", "half_float")  # Module._apply of every table
 
 
 @st.composite
@@ -144,11 +145,12 @@ def run_sequence(case, model: torch.nn.Module, call: Callable, ready_other: Call
     another model of the same recipes, readied by ``ready_other`` (compiled or shared), while ``model``
     sleeps; its output joins the list."""
     device = case["device"]
-    outputs = [call(tokens(0, device)), call(tokens(1, device))]
+    # Outputs kept without their autograd graphs: a graph holds the parameters, and swap_float64 swaps them.
+    outputs = [call(tokens(0, device)).detach(), call(tokens(1, device)).detach()]
     for i, step in enumerate(case["steps"], 2):
         if step == "free":
             other = build(case["specs"], case["seed"] + 1, case["graph_break"], device)
-            sleep_and_wake(model, lambda: outputs.append(ready_other(other)(tokens(0, device))))
+            sleep_and_wake(model, lambda: outputs.append(ready_other(other)(tokens(0, device)).detach()))
         elif step in ("to_empty", "meta"):
             re_init(model, via_meta=step == "meta", device=device)
         elif step == "float64":
@@ -164,8 +166,8 @@ def run_sequence(case, model: torch.nn.Module, call: Callable, ready_other: Call
         else:
             reload(model, case, other_theta=step == "reload_other")
         after_step()
-        outputs.append(call(tokens(i, device)))
-    outputs.append(call(tokens(0, device)))
+        outputs.append(call(tokens(i, device)).detach())
+    outputs.append(call(tokens(0, device)).detach())
     return outputs
 
 
@@ -179,10 +181,13 @@ def own_storage(case, model: torch.nn.Module) -> set[int]:
 
 
 def unread_after_a_move(case, model: torch.nn.Module) -> set[int]:
-    """ids of the filled caches' ``freqs`` once a move to meta gave the model new tensors (re-init then makes
-    new ones again): only the forward that fills a cache reads them, so no graph offers the new ones and each
-    keeps its own storage. Other moves keep shared tables shared (rope_dedup/core/moves.py)."""
-    if "meta" not in case["steps"]:
+    """ids of the filled caches' ``freqs`` once they left the store and then moved: only the forward that fills
+    a cache reads them, so no graph offers them again. They leave it when moved to meta (re-init then makes
+    new ones), or when freed while another model runs (the store drops what it can no longer read); a move
+    after that converts each on its own. Moves of shared tables keep them shared (rope_dedup/core/moves.py)."""
+    steps = case["steps"]
+    freed_then_moved = "free" in steps and any(step in MOVES for step in steps[steps.index("free") + 1:])
+    if "meta" not in steps and not freed_then_moved:
         return set()
     return {id(t) for name, t in rope_tensors(model)
             if name.endswith(".freqs") and model.get_submodule(name.rpartition(".")[0]).spec.layout == "filled_cache"}

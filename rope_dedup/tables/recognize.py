@@ -277,6 +277,8 @@ def _from_parts(layout: Layout, parts: dict[Part, torch.Tensor], eps: float) -> 
                 phases, weights = torch.sin(angles), _value_tolerance(eps, 1.0, angles) ** -2
                 fitted += float((weights * _f64(sin[rows]) * phases).sum())
                 projected += float((weights * phases * phases).sum())
+            if not projected > 0:  # every measured frequency is 0: the values never move
+                return NotRope("fewer than 2 frequencies move measurably: constant, or too short to identify")
             amplitude = fitted / projected
             if again:
                 freqs = _measure_freqs(cos, sin, angle, amplitude, eps).clamp_min(0)
