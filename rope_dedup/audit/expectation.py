@@ -1,8 +1,8 @@
 """What each layer is expected to apply: ``expect=`` in any form, and the reading of a transformers config.
 
-Whatever the form of ``expect``, it ends up as one :data:`Judge`: ``(layer, source) -> Expected``, where
-``source`` is a held table's path or an applied table's source (it names ``main_inv_freq`` or
-``sliding_attention_inv_freq`` where a model-level rotary module holds one table per kind of layer).
+Whatever the form of ``expect``, it ends up as one :data:`Judge`: ``(layer, path) -> Expected``, where
+``path`` is a held table's (the static audit; a model-level rotary module holding one table per kind of
+layer names it ``sliding_attention_inv_freq`` or ``compress_inv_freq``), None for an applied table.
 An :data:`Expected` is a :class:`RopeSpec`, a tuple of them (any one may apply: DeepSeek-V4 layers
 apply a ``main`` and a ``compress`` table), :class:`NoRope` (the config turns RoPE off there), or None
 (not judged).
@@ -10,11 +10,16 @@ apply a ``main`` and a ``compress`` table), :class:`NoRope` (the config turns Ro
 ``"config"`` reads the model's transformers configuration (:func:`read_config`) in every form
 transformers 5 and 4.x ship:
 
-- flat ``rope_parameters`` (5.x), or ``rope_theta`` + ``rope_scaling`` (4.x);
+- flat ``rope_parameters`` (5.x), or ``rope_theta`` + ``rope_scaling`` (4.x), or older names:
+  ``rotary_emb_base`` + ``rotary_pct`` (GPT-NeoX in 4.x), a ``rotary_dim`` and no base (GPT-J, CodeGen:
+  transformers' default theta, 10000);
 - nested by layer type (Gemma 3, ModernBERT), with ``None`` for a type without RoPE (Beam), or by labels
   that are not layer types (DeepSeek-V4's ``main`` / ``compress``, ``_rope_type_labels``);
 - per layer, ``per_layer_config`` (Gemma 4's heterogeneous configs: ``head_dim`` differs by layer);
-- ``no_rope_layers`` (SmolLM3, Llama 4: 0 where a layer has no RoPE);
+- ``no_rope_layers`` (SmolLM3, Llama 4: 0 where a layer has no RoPE), ``layer_rope_theta`` (Granite SWA,
+  Muse: a theta per layer, 0 where it has none);
+- layer types without softmax attention (``linear_attention``, ``mamba``, ``conv``): not judged, and
+  ``position_embedding_type`` other than ``"rope"`` (GraniteMoeHybrid's None): no RoPE anywhere;
 - ``mrope_section`` (Qwen2-VL): with text-only positions every section sees the same position, so the
   table is the 1-D one;
 - a partial rotary dim ``head_dim * partial_rotary_factor`` that is odd: transformers rounds the
@@ -22,13 +27,16 @@ transformers 5 and 4.x ship:
 
 The frequencies of a ``rope_type`` come from transformers itself where it is installed: the model's own
 rotary class's ``compute_default_rope_parameters`` for ``default``, ``ROPE_INIT_FUNCTIONS`` for the
-others; :mod:`rope_dedup.audit.spec`'s formulas only without transformers. A field the reader cannot
-read is a finding (one line naming it), and the layers it concerns are not judged; ``strict=True``
-raises :class:`SpecError` instead.
+others. :mod:`rope_dedup.audit.spec`'s formulas serve only what transformers' functions do not read: no
+transformers, a config that is not a transformers one, older field names, and 4.x's ``default`` (its
+rotary classes compute it from their own dim, as the formula does). A field the reader cannot read is
+a finding (one line naming it), and the layers it concerns are not judged; ``strict=True`` raises
+:class:`SpecError` instead.
 """
 
 from __future__ import annotations
 
+import copy
 import fnmatch
 import inspect
 import re
@@ -51,8 +59,11 @@ class NoRope:
         return f"no RoPE ({self.why})"
 
 
+# The base a config that names none gets (transformers 5's RotaryEmbeddingConfigMixin.default_theta).
+_DEFAULT_THETA = 10_000.0
+
 Expected = Union[RopeSpec, tuple, NoRope, None]
-Judge = Callable[[str, Union[str, None]], Expected]
+Judge = Callable[[str, Union[str, None]], Expected]  # (layer, path of a held table or None) -> Expected
 Expectation = Union[RopeSpec, Mapping[str, RopeSpec], Callable[[str], Union[RopeSpec, None]], str]
 
 
@@ -155,7 +166,7 @@ def text_config(model: torch.nn.Module) -> Any:
             return config.get_text_config()
         except ValueError:  # several text configs (an encoder and a decoder): the model's own is the one
             return config
-    return config
+    return getattr(config, "text_config", None) or config  # transformers 4.44 has no get_text_config
 
 
 class _Reader:
@@ -164,7 +175,10 @@ class _Reader:
     def __init__(self, model: torch.nn.Module, config: Any, strict: bool) -> None:
         self.model, self.config, self.strict = model, config, strict
         self.unreadable: list[str] = []
-        self.default_init = _default_init(model, config)
+        # transformers' functions read a transformers config; any other (a hand-written model's namespace)
+        # is computed with the built-in formulas.
+        self.functions = _init_functions() if type(config).__module__.startswith("transformers.") else {}
+        self.default_init = _default_init(model, config) if self.functions else None
 
     def fail(self, message: str) -> None:
         if self.strict:
@@ -177,10 +191,19 @@ class _Reader:
         if parameters:
             return parameters
         theta = getattr(self.config, "rope_theta", None)  # transformers 4: rope_theta and rope_scaling side by side
-        if theta is None:
-            self.fail("model.config has neither rope_parameters nor rope_theta")
-            return None
-        return {**(getattr(self.config, "rope_scaling", None) or {}), "rope_theta": theta}
+        if theta is not None:
+            return {**(getattr(self.config, "rope_scaling", None) or {}), "rope_theta": theta}
+        # Older names, which transformers' functions do not read: computed with the built-in formulas.
+        self.functions, self.default_init = {}, None
+        base = _get(self.config, "rotary_emb_base") or _get(self.config, "rotary_embedding_base")  # GPT-NeoX 4.x
+        if base is not None:
+            return {"rope_theta": base, "partial_rotary_factor": _get(self.config, "rotary_pct") or 1.0}
+        rotary_dim, head_dim = _get(self.config, "rotary_dim"), _head_dim(self.config)
+        if rotary_dim and head_dim:  # GPT-J, CodeGen: a rotary dim, and the base transformers defaults to
+            return {"rope_theta": getattr(self.config, "default_theta", _DEFAULT_THETA),
+                    "partial_rotary_factor": rotary_dim / head_dim}
+        self.fail("model.config has neither rope_parameters nor rope_theta")
+        return None
 
     def spec(self, parameters: Mapping[str, Any] | None, config: Any, label: str | None) -> RopeSpec | None:
         """The spec of one ``rope_parameters`` entry read against ``config`` (a layer's, where per layer)."""
@@ -195,9 +218,9 @@ class _Reader:
         rope_type = parameters.get("rope_type") or parameters.get("type") or "default"
         if rope_type == "mrope":  # 4.x Qwen2-VL: plain RoPE per section
             rope_type = "default"
-        init = self.default_init if rope_type == "default" else _init_functions().get(rope_type)
+        init = self.default_init if rope_type == "default" else self.functions.get(rope_type)
         if init is None and rope_type != "default" and rope_type not in SCALING_TYPES:
-            known = ", ".join(("default", *sorted(set(SCALING_TYPES) | set(_init_functions()))))
+            known = ", ".join(("default", *sorted(set(SCALING_TYPES) | set(self.functions))))
             self.fail(f"{where}: rope_type {rope_type!r} is not one the audit knows ({known})")
             return None
         try:
@@ -231,71 +254,110 @@ def read_config(model: torch.nn.Module, *, strict: bool = False) -> Judging:
     parameters = reader.parameters()
     if parameters is None:
         return Judging(lambda layer, source: None, tuple(reader.unreadable))
-    layer_types = _get(config, "layer_types")
-    labels = [key for key, value in parameters.items() if isinstance(value, Mapping)
-              or (value is None and layer_types and key in layer_types)]
-    heterogeneous = bool(getattr(config, "is_heterogeneous", False))
+    layers = _ConfigLayers(model, config, reader, parameters)
+    stack = {f"{layers.stack_path}.{i}": layers.of_layer(i) for i in range(layers.stack_size)}
+    for label in layers.labels or [None]:  # read now, so that every unreadable field is known before judging
+        layers.of_label(label, label if layers.by_type else None)
+    kinds = {layer: layers.types[i] for i, layer in enumerate(stack)
+             if isinstance(layers.types, (list, tuple)) and i < len(layers.types)}
+    return Judging(layers.judge, tuple(reader.unreadable), stack, kinds)
 
-    def config_of(where: int | str | None) -> Any:
-        if where is None or not heterogeneous:
-            return config
-        try:
-            return config.per_layer_config[where]
-        except Exception:  # a label that is no layer type (DeepSeek-V4's main/compress)
-            return config
 
-    by_label: dict[Any, Expected] = {}
+class _ConfigLayers:
+    """What a read config expects of each layer of the text model, and of a table held at model level."""
 
-    def of_label(label: str | None, where: int | str | None) -> Expected:
-        key = (label, where if heterogeneous else None)
-        if key not in by_label:
-            if label is not None and parameters[label] is None:
-                by_label[key] = NoRope(f"rope_parameters[{label!r}] is None")
+    def __init__(self, model: torch.nn.Module, config: Any, reader: _Reader, parameters: Mapping[str, Any]) -> None:
+        self.config, self.reader, self.parameters = config, reader, parameters
+        self.types = _get(config, "layer_types")
+        self.labels = [key for key, value in parameters.items() if isinstance(value, Mapping)
+                       or (value is None and self.types and key in self.types)]
+        # Labels that name layer types (Gemma 3, LFM3), or kinds of table every layer may apply (DeepSeek-V4).
+        self.by_type = bool(self.labels) and bool(self.types) and any(label in self.types for label in self.labels)
+        self.heterogeneous = bool(getattr(config, "is_heterogeneous", False))
+        self.no_rope = _get(config, "no_rope_layers")
+        self.thetas = _get(config, "layer_rope_theta")
+        # GraniteMoeHybrid opts out of RoPE with position_embedding_type None; SeamlessM4T's speech encoder
+        # uses rotary ones only with position_embeddings_type "rotary".
+        self.encoding = next(((name, _get(config, name)) for name in ("position_embedding_type",
+                                                                      "position_embeddings_type")
+                              if hasattr(config, name)), None)
+        self.count = _get(config, "num_hidden_layers")
+        self.inside = _text_prefix(model, config)
+        self.foreign = _foreign_towers(model, config)
+        self.stack_path, self.stack_size = _text_stack(model, config)
+        self._specs: dict[Any, Expected] = {}
+
+    def of_label(self, label: str | None, where: int | str | None) -> Expected:
+        """The spec of ``rope_parameters[label]`` (the flat parameters for None), for a layer index or type."""
+        key = (label, where if self.heterogeneous else None)
+        if key not in self._specs:
+            if label is not None and self.parameters[label] is None:
+                self._specs[key] = NoRope(f"rope_parameters[{label!r}] is None")
             else:
-                by_label[key] = reader.spec(parameters[label] if label else parameters, config_of(where), label)
-        return by_label[key]
+                entry = self.parameters[label] if label else self.parameters
+                self._specs[key] = self.reader.spec(entry, self._config_of(where), label)
+        return self._specs[key]
 
-    def every_label(where: int | str | None) -> Expected:
-        specs = tuple(s for s in (of_label(label, where) for label in labels) if isinstance(s, RopeSpec))
+    def every_label(self, where: int | str | None) -> Expected:
+        specs = tuple(s for s in (self.of_label(label, where) for label in self.labels) if isinstance(s, RopeSpec))
         return specs[0] if len(specs) == 1 else specs or None
 
-    no_rope = _get(config, "no_rope_layers")
-    by_type = bool(labels) and bool(layer_types) and any(label in layer_types for label in labels)
+    def with_theta(self, theta: float) -> Expected:
+        """The flat spec with another theta (``layer_rope_theta``), read from a config that says so."""
+        key = ("theta", theta)
+        if key not in self._specs:
+            patched = copy.copy(self.config)
+            patched.rope_parameters = {**self.parameters, "rope_theta": theta}
+            self._specs[key] = self.reader.spec(patched.rope_parameters, patched, None)
+        return self._specs[key]
 
-    def of_layer(index: int) -> Expected:
-        if isinstance(no_rope, (list, tuple)) and index < len(no_rope) and not no_rope[index]:
+    def of_layer(self, index: int) -> Expected:
+        if self.encoding is not None and self.encoding[1] not in ("rope", "rotary"):
+            return NoRope(f"{self.encoding[0]} is {self.encoding[1]!r}")
+        if isinstance(self.no_rope, (list, tuple)) and index < len(self.no_rope) and not self.no_rope[index]:
             return NoRope(f"no_rope_layers[{index}] is 0")
-        if not labels:
-            return of_label(None, index)
-        if not by_type:  # labels name kinds of table, not of layer: a layer may apply any of them
-            return every_label(index)
-        if not layer_types or index >= len(layer_types):
-            return None
-        kind = layer_types[index]
-        return of_label(kind, index) if kind in labels else None  # a layer type without RoPE entry (LFM3's conv)
+        kind = self.types[index] if isinstance(self.types, (list, tuple)) and index < len(self.types) else None
+        if _no_attention(kind):
+            return None  # Mamba, linear attention, convolution: no softmax attention to apply RoPE in
+        if isinstance(self.thetas, (list, tuple)) and index < len(self.thetas) and not self.labels:
+            theta = self.thetas[index]  # Granite SWA, Muse: a theta per layer, 0 for a layer without RoPE
+            return NoRope(f"layer_rope_theta[{index}] is 0") if not theta else self.with_theta(float(theta))
+        if not self.labels:
+            return self.of_label(None, index)
+        if not self.by_type:
+            return self.every_label(index)
+        return self.of_label(kind, index) if kind in self.labels else None  # LFM3's conv layers: no entry
 
-    stack_path, stack_size = _text_stack(model, config)
-    stack = {f"{stack_path}.{i}": of_layer(i) for i in range(stack_size)} if stack_path is not None else {}
-    for label in labels or [None]:  # read now, so that every unreadable field is known before judging
-        of_label(label, label if by_type else None)
-    foreign = _foreign_towers(model, config)
-    count = _get(config, "num_hidden_layers")
-
-    def judge(layer: str, source: str | None) -> Expected:
-        if any(layer == tower or layer.startswith(tower + ".") for tower in foreign):
+    def judge(self, layer: str, source: str | None) -> Expected:
+        if self.inside and not (layer == self.inside or layer.startswith(self.inside + ".")):
+            return None  # a multimodal model's own parts (Music Flamingo's audio pos_emb): not the text model's
+        if any(layer == tower or layer.startswith(tower + ".") for tower in self.foreign):
             return None  # a vision, audio or protein tower: the text config says nothing of it
-        label = next((lb for lb in labels if source is not None and _names_label(source, lb)), None)
-        index = layer_index(layer) if not stack or layer in stack else None
-        if index is not None and (not isinstance(count, int) or index < count):
-            expected = of_layer(index)
-            return of_label(label, index) if isinstance(expected, tuple) and label is not None else expected
+        label = next((lb for lb in self.labels if source is not None and _names_label(source, lb)), None)
+        in_stack = self.stack_path is None or layer.startswith(self.stack_path + ".")
+        index = layer_index(layer) if in_stack else None
+        if index is not None and (not isinstance(self.count, int) or index < self.count):
+            expected = self.of_layer(index)
+            return self.of_label(label, index) if isinstance(expected, tuple) and label is not None else expected
         if label is not None:
-            return of_label(label, label if by_type else None)
-        return every_label(None) if labels else of_label(None, None)
+            return self.of_label(label, label if self.by_type else None)
+        return self.every_label(None) if self.labels else self.of_label(None, None)
 
-    kinds = {layer: layer_types[i] for i, layer in enumerate(stack)
-             if isinstance(layer_types, (list, tuple)) and i < len(layer_types)}
-    return Judging(judge, tuple(reader.unreadable), stack, kinds)
+    def _config_of(self, where: int | str | None) -> Any:
+        if where is None or not self.heterogeneous:
+            return self.config
+        try:
+            return self.config.per_layer_config[where]
+        except Exception:  # a label that is no layer type (DeepSeek-V4's main/compress)
+            return self.config
+
+
+# Layer types without softmax attention: flat rope_parameters describe the attention layers beside them.
+_ATTENTION_FREE = ("linear", "mamba", "conv", "recurrent", "ssm", "rwkv", "mlp", "moe")
+
+
+def _no_attention(kind: Any) -> bool:
+    return isinstance(kind, str) and kind.startswith(_ATTENTION_FREE)
 
 
 def _names_label(text: str, label: str) -> bool:
@@ -341,14 +403,14 @@ def _text_stack(model: torch.nn.Module, config: Any) -> tuple[str | None, int]:
 
 
 def _default_init(model: torch.nn.Module, config: Any) -> Callable | None:
-    """What the model itself computes ``default`` RoPE with: its rotary class's
-    ``compute_default_rope_parameters`` (transformers 5), else 4.x's ``ROPE_INIT_FUNCTIONS['default']``."""
-    found = [type(m) for m in model.modules() if hasattr(type(m), "compute_default_rope_parameters")]
-    own = [type(m) for m in model.modules()
-           if hasattr(type(m), "compute_default_rope_parameters") and getattr(m, "config", None) is config]
-    for cls in own + found:
-        return cls.compute_default_rope_parameters
-    return _init_functions().get("default")
+    """What the model itself computes ``default`` RoPE with: the ``compute_default_rope_parameters`` of
+    its text model's rotary class (transformers 5); None in 4.x, whose rotary classes compute it from
+    their own dim (JetMoe's ``kv_channels``), as the built-in formula does."""
+    rotary = [m for m in model.modules() if hasattr(type(m), "compute_default_rope_parameters")]
+    own = [m for m in rotary if getattr(m, "config", None) is config]
+    for module in own + rotary:
+        return type(module).compute_default_rope_parameters
+    return None
 
 
 def _init_functions() -> Mapping[str, Callable]:
@@ -368,7 +430,7 @@ def _get(config: Any, name: str) -> Any:
 
 
 def _head_dim(config: Any) -> int | None:
-    head_dim = _get(config, "head_dim")
+    head_dim = _get(config, "head_dim") or _get(config, "kv_channels")  # JetMoe names it kv_channels
     if head_dim:
         return int(head_dim)
     hidden, heads = _get(config, "hidden_size"), _get(config, "num_attention_heads")

@@ -343,7 +343,11 @@ def _arrange(report: DedupReport, model: torch.nn.Module, applied: list[AppliedT
     if judging is not None and not static:
         for mismatch in _layers_without_rope(model, judging, applied_by_layer):
             mismatches[(mismatch.layer, mismatch.field)] = mismatch
-    if judging is not None and not applied and not empty:
+    # No layer expected to apply RoPE (all linear attention, a config saying none, one the reader could not
+    # read: that is its own finding), no "nothing applied" line.
+    expects_rope = judging is not None and not judging.unreadable and (
+        not judging.stack or any(map(candidates, judging.stack.values())))
+    if expects_rope and not applied and not empty:
         found = "no RoPE table held by the model" if static else "no RoPE table applied"
         mismatches[(MODEL, "rope")] = Mismatch(MODEL, "rope", "RoPE applied in attention layers", found, None)
     parameters = {name for name, _ in model.named_parameters(remove_duplicate=False)}
