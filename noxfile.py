@@ -4,6 +4,7 @@
     nox -s torch                 # the fast suite on every supported torch release
     nox -s "torch(version='2.11.0')"
     nox -r                       # reuse the venvs of an earlier run (much faster locally)
+    nox -s zoo                   # not a default: every RoPE architecture of transformers 5 (4.x: transformers4)
 
 Arguments after ``--`` go to pytest: ``nox -s tests -- tests/test_pass.py -x``.
 
@@ -29,6 +30,10 @@ TORCH_RELEASES = ["2.10.0", "2.11.0", "2.12.1", "2.13.0", "2.14.1", "2.15.0"]
 TORCHTITAN = ["torchtitan==0.3.0", "spmd_types==0.2.3"]
 TORCHTITAN_DEPS = ["tyro==1.0.17"]
 PYTEST = ["python", "-m", "pytest", "-n", "2"]
+# Seconds the registry sweeps may take before they stop and fail: measured 5-12 min (5.x) and 1-2 min
+# (4.x) on 2 shared cores (docs/zoo.md), with room for a slower machine.
+ZOO_BUDGET = "2700"
+ZOO4_BUDGET = "600"
 
 
 def install_test_env(session: nox.Session, torch_version: str, env: dict[str, str] | None = None) -> None:
@@ -48,10 +53,24 @@ def tests(session: nox.Session) -> None:
 
 @nox.session
 def transformers4(session: nox.Session) -> None:
-    """transformers 4.x models (per-attention caches): 4.x cannot share a venv with the 5.x of ``tests``."""
+    """transformers 4.x models (per-attention caches), then the sweep of every RoPE model type of
+    transformers 4.44.2 (1-2 min; docs/zoo.md): 4.x cannot share a venv with the 5.x of ``tests``."""
     session.install(f"torch=={CI_TORCH}")
     session.install("-e", ".[test-transformers4]", f"torch=={CI_TORCH}")
     session.run(*PYTEST, *(session.posargs or ["tests/test_transformers4.py"]))
+    if not session.posargs:
+        session.run("python", "tests/zoo_sweep.py", "--check", "--budget", ZOO4_BUDGET)
+
+
+@nox.session
+def zoo(session: nox.Session) -> None:
+    """Not a default session (5-12 min): every RoPE model type of transformers 5.23.0 built tiny, through the
+    static audit, the dynamic audit and share(); fails on an exception from rope_dedup, audits that
+    disagree, a changed output, an unexplained finding, or a docs/zoo.md table that says otherwise.
+    ``nox -s zoo -- llama gemma3`` sweeps some types; ``nox -s zoo -- --write`` rewrites the table."""
+    session.install(f"torch=={CI_TORCH}")
+    session.install("-e", ".[test]", f"torch=={CI_TORCH}")
+    session.run("python", "tests/zoo_sweep.py", "--budget", ZOO_BUDGET, *(session.posargs or ["--check"]))
 
 
 @nox.session

@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import re
 from pathlib import Path
 
 import pytest
 import torch
 
 from rope_dedup import RopeMismatch, RopeSpec, explain
-from rope_dedup.audit.spec import Scaling, SpecError, expectation_for, parse_spec
+from rope_dedup.audit.expectation import expectation_for
+from rope_dedup.audit.spec import Scaling, SpecError, parse_spec
 from rope_dedup.testing.toy_decoder import ToyDecoder, homogeneous, local_global
 
 transformers = pytest.importorskip("transformers")
@@ -167,16 +169,22 @@ def test_parse_spec() -> None:
                                             original_max_position_embeddings=8192), attention_factor=1.2)
 
 
-def test_config_fields_that_are_missing_or_unknown_are_named() -> None:
+def test_config_fields_that_are_missing_or_unknown_are_one_finding_each_or_raise_when_strict() -> None:
     with pytest.raises(SpecError, match="has none"):
         expectation_for("config", torch.nn.Linear(2, 2))
     model = _tiny_llama()
-    model.config.rope_parameters = {"rope_type": "default"}
-    with pytest.raises(SpecError, match=r"model.config.rope_parameters has no rope_theta"):
-        expectation_for("config", model)
-    model.config.rope_parameters = {"rope_type": "rope2", "rope_theta": 1e4}
-    with pytest.raises(SpecError, match="rope_type 'rope2' is not one the audit knows"):
-        expectation_for("config", model)
+    for parameters, message in [
+        ({"rope_type": "default"}, "model.config.rope_parameters has no rope_theta"),
+        ({"rope_type": "rope2", "rope_theta": 1e4}, "model.config.rope_parameters: rope_type 'rope2' is not one "
+                                                    "the audit knows"),
+    ]:
+        model.config.rope_parameters = parameters
+        for audit in (explain(model, expect="config"), explain(model, *cases._inputs(), expect="config")):
+            (finding,) = audit.mismatches  # one line naming the field; no layer judged against a guess
+            assert (finding.layer, finding.field) == ("(config)", "config")
+            assert finding.found.startswith(message)
+        with pytest.raises(SpecError, match=re.escape(message)):
+            explain(model, expect="config", strict=True)
     with pytest.raises(SpecError, match="unknown scaling type 'ntk'"):
         RopeSpec(1e4, scaling={"rope_type": "ntk", "factor": 2})
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from rope_dedup.testing.toy_decoder import TableRecipe, ToyDecoder, homogeneous, local_global, rope_tensors, unique_storages
 
-from rope_dedup import RopeDedupBackend, explain
+from rope_dedup import RopeDedupBackend, RopeSpec, explain
 from rope_dedup.audit.explain import split_layer
 
 TOKENS = torch.randint(0, 64, (1, 8))
@@ -90,3 +90,45 @@ def test_the_audit_caller_has_findable_source() -> None:
     caller = _fresh_caller(ToyDecoder(homogeneous(1)), 1, [])
     assert inspect.getsourcefile(caller) == "<rope_dedup.explain>"
     assert "return model(input0)" in inspect.getsource(caller)
+
+
+def call_layer(layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """One function every model below calls its layers through, as transformers' models all call theirs
+    through ``GradientCheckpointingLayer.__call__``: one code object for all of them."""
+    return layer(x)
+
+
+def _breaking_model(kind: int) -> torch.nn.Module:
+    """A toy decoder of a class of its own whose blocks break the graph and are called through
+    :func:`call_layer`: dynamo compiles that shared frame once per class audited."""
+    block = type(f"Block{kind}", (torch.nn.Module,), {
+        "__init__": lambda self, inner: (torch.nn.Module.__init__(self), setattr(self, "inner", inner))[0],
+        "forward": lambda self, x: (torch._dynamo.graph_break(), self.inner(x))[1],
+    })
+    model = ToyDecoder(homogeneous(2, max_len=64))
+    for i, inner in enumerate(model.layers):
+        model.layers[i] = block(inner)
+
+    def forward(tokens: torch.Tensor) -> torch.Tensor:
+        x = model.embed(tokens)
+        for layer in model.layers:
+            x = call_layer(layer, x)
+        return model.head(model.norm(x))
+
+    model.forward = forward
+    return model
+
+
+def test_an_audit_does_not_depend_on_how_many_were_compiled_before() -> None:
+    """The ninth architecture through a shared frame hit dynamo's recompile_limit, which made that frame
+    and all it calls run eagerly for the rest of the process: the audit then traced nothing (issue 31:
+    higgs_audio_v2 then jetmoe). Each audit now has a recompile budget of its own, and leaves the
+    user's compiles theirs."""
+    limit = torch._dynamo.config.recompile_limit
+    for kind in range(limit + 2):
+        found = explain(_breaking_model(kind), TOKENS, expect=RopeSpec(1e4))
+        assert found.mismatches == () and [t.layer for t in found.applied] == ["layers.0", "layers.1"], kind
+    backend = RopeDedupBackend("eager")
+    with torch.no_grad():
+        torch.compile(_breaking_model(limit + 2), backend=backend)(TOKENS)
+    assert backend.graphs_compiled > 0

@@ -110,9 +110,10 @@ def test_tables_still_on_meta_are_named_as_never_initialized() -> None:
     assert second.found.startswith("layers.0.attention.rope.original_inv_freq: meta tensor")
 
 
-class Slots(nn.Module):
-    """A layer whose zero buffers are RoPE slots only by shape, under an expectation: ``table`` has a cos/sin
-    table's shape for rotary dim 16, ``k_cache`` a KV cache's (never a slot), and ``mask`` neither."""
+class SlotsAttention(nn.Module):
+    """An attention module whose zero buffers are RoPE slots only by shape, under an expectation: ``table``
+    has a cos/sin table's shape for rotary dim 16, ``k_cache`` a KV cache's (never a slot), ``mask``
+    neither."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -122,15 +123,92 @@ class Slots(nn.Module):
         self.register_buffer("cached_freqs", torch.zeros(64, 8))  # rotary-embedding-torch: zeros until a forward
 
 
-def test_an_unnamed_slot_counts_only_where_the_expectation_gives_its_shape() -> None:
-    model = no_forward(nn.ModuleList([Slots()]))
+class Router(nn.Module):
+    """glm4_moe's MoE gate: ``e_score_correction_bias`` is zeros by design, with a frequency vector's shape."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("e_score_correction_bias", torch.zeros(8))
+
+
+class SlotsLayer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attention, self.gate, self.norm = SlotsAttention(), Router(), nn.LayerNorm(8)
+        self.register_buffer("cache", torch.zeros(64, 16))  # the layer's own, not the attention's
+
+
+def test_an_unnamed_slot_counts_only_where_the_expectation_gives_its_shape_in_an_attention_module() -> None:
+    model = no_forward(nn.ModuleList([SlotsLayer()]))
     assert explain(model).mismatches == ()
     found = explain(model, expect=RopeSpec(1e4, rotary_dim=16)).mismatches
+    never = "all zeros: never filled (to_empty without re-filling the RoPE buffers?)"
     assert [(m.layer, m.field, m.found) for m in found] == [
-        ("0", "content", "0.table: all zeros: never filled (to_empty without re-filling the RoPE buffers?)"),
-        ("0", "content", "0.cached_freqs: all zeros: never filled (to_empty without re-filling the RoPE buffers?)")]
+        ("0", "content", f"0.attention.table: {never}"), ("0", "content", f"0.attention.cached_freqs: {never}")]
     no_slot = explain(model, expect=RopeSpec(1e4, rotary_dim=48)).mismatches  # no shape of dim 48 here
     assert [(m.field, m.found) for m in no_slot] == [("rope", "no RoPE table held by the model")]
+
+
+class GenericRope(nn.Module):
+    """torchtitan style: the rotary module holds its complex table under a generic name."""
+
+    def __init__(self, dim: int = 16, length: int = 64, theta: float = 1e4) -> None:
+        super().__init__()
+        self.dim, self.length, self.theta = dim, length, theta
+        self.register_buffer("freqs", self.table(), persistent=False)
+
+    def table(self) -> torch.Tensor:
+        inv_freq = 1.0 / self.theta ** (torch.arange(0, self.dim, 2, dtype=torch.float64) / self.dim)
+        angles = torch.outer(torch.arange(self.length, dtype=torch.float64), inv_freq)
+        return torch.polar(torch.ones_like(angles), angles).to(torch.complex64)
+
+
+class GenericAttention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.rope = GenericRope()
+        self.wq = nn.Linear(32, 32)
+
+
+class GenericDecoder(nn.Module):
+    def __init__(self, layers: int = 3) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.ModuleDict({"attention": GenericAttention()}) for _ in range(layers))
+
+
+@pytest.mark.parametrize("fill, found", [(torch.Tensor.zero_, "all zeros: never filled"),
+                                         (lambda t: t.fill_(float("nan")), "NaN or inf: uninitialized memory")])
+def test_an_unfilled_table_in_a_rotary_module_is_named_per_layer_whatever_its_name(fill, found: str) -> None:
+    """Built on meta, ``to_empty`` without ``init_weights``: every layer's ``freqs`` is unfilled; the
+    expectation names a theta but no dim, and each layer is named all the same."""
+    with torch.device("meta"):
+        model = GenericDecoder()
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        for buffer in model.buffers():
+            fill(buffer)
+    for expect in (None, RopeSpec(1e4)):
+        mismatches = explain(no_forward(model), expect=expect).mismatches
+        assert [(m.layer, m.field) for m in mismatches] == [(f"layers.{i}", "content") for i in range(3)]
+        assert all(m.found == f"layers.{i}.attention.rope.freqs: {found}" + m.found.split(found)[1]
+                   for i, m in enumerate(mismatches))
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, GenericRope):
+                module.freqs.copy_(module.table())
+    assert explain(no_forward(model), expect=RopeSpec(1e4, rotary_dim=16)).mismatches == ()
+
+
+def test_a_cache_filled_by_forward_beside_the_modules_frequencies_is_no_slot() -> None:
+    """rotary-embedding-torch: ``cached_freqs`` stays zeros until a forward fills it from ``freqs``."""
+    from rotary_embedding_torch import RotaryEmbedding
+
+    rope = RotaryEmbedding(dim=16, cache_max_seq_len=64)
+    assert not rope.cached_freqs.any()
+    model = no_forward(nn.ModuleList([rope]))
+    assert explain(model).mismatches == ()
+    # Its frequencies are a (frozen) parameter, which the static audit does not measure: nothing is held.
+    assert [m.field for m in explain(model, expect=RopeSpec(1e4, rotary_dim=16)).mismatches] == ["rope"]
 
 
 def test_no_table_at_all_under_an_expectation_is_a_mismatch() -> None:

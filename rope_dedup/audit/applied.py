@@ -18,13 +18,14 @@ from typing import Any, Callable, Sequence
 
 import torch
 import torch.fx
+import torch.utils._pytree as pytree
 
 from rope_dedup.audit.layers import layer_of
 from rope_dedup.tables.keys import RopeKey, infer_key
 from rope_dedup.tables.layout import Arrangement, Layout, Part, Repeat
 from rope_dedup.tables.recognize import RopeTable, recognize_rope_table
 from rope_dedup.tensors import Origin, tensor_paths
-from rope_dedup.core.sources import attribute_origin, module_path, placeholder_origin
+from rope_dedup.core.sources import attribute_origin, module_path, module_root, placeholder_origin, source_root
 
 _MULTIPLY = {operator.mul, torch.mul, torch.Tensor.mul, "mul"}
 _TRIG = {torch.cos, torch.sin, torch.polar, torch.Tensor.cos, torch.Tensor.sin, "cos", "sin"}
@@ -60,29 +61,49 @@ class TableCapture:
         self.backend = backend
         self.paths = tensor_paths(model)
         self.captured: list[_Candidate] = []
+        self.computed: dict[int, tuple] = {}  # tables a graph returned, for the graphs that receive them
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence, **kwargs: Any) -> Callable:
+        # Each placeholder's frame local and path from it, read now: dynamo drops the sources after compiling.
+        sources = {node: (source_root(node), placeholder_origin(node).path) for node in gm.graph.nodes
+                   if node.op == "placeholder"}
         compiled = self.backend(gm, example_inputs, **kwargs)
         intern = getattr(compiled, "intern_inputs", None)  # the dry run still records tables seen at run time
 
         def run(*args: Any) -> Any:
             if intern is not None:
                 intern(args)
-            interpreter = _Interpreter(gm, self.paths)
+            interpreter = _Interpreter(gm, self.paths, sources, self.computed)
             result = interpreter.run(*args)
             self.captured += interpreter.candidates
+            self.computed.update((id(value), (value, *rest)) for value, *rest in interpreter.computed_outputs(result))
             return result
 
         return run
+
+    def release(self) -> None:
+        """Drop the values captured: the compiled entries dynamo keeps on shared code hold this backend."""
+        self.captured.clear()
+        self.computed.clear()
 
     def tables(self) -> list[AppliedTable]:
         """Every table applied, once per layer and source; a cos and a sin from one place are measured
         together (angles from both are exact where a lone cos or sin is not)."""
         found: list[AppliedTable | None] = []
         lone: dict[tuple, list[tuple[str, _Candidate, torch.Tensor, torch.Tensor]]] = {}
+        late: dict[tuple, list[tuple[_Candidate, torch.Tensor, torch.Tensor]]] = {}
         for candidate in self.captured:
             measured = _measure(candidate)
             if measured is None:
+                rows_at = _late_rows(candidate)
+                if rows_at is not None:  # measured with its partner: cos and sin together give the angles
+                    waiting = late.setdefault((candidate.layer, rows_at[0].shape), [])
+                    partner = next((entry for entry in waiting if not torch.equal(entry[1], rows_at[0])), None)
+                    if partner is None:
+                        waiting.append((candidate, *rows_at))
+                    else:
+                        waiting.remove(partner)
+                        found.append(_from_late_pair(candidate, rows_at[0], partner[1], rows_at[1]))
                 continue
             kind, rows, positions = measured
             if kind not in ("cos", "sin"):
@@ -119,12 +140,19 @@ class _Candidate:
 class _Interpreter(torch.fx.Interpreter):
     """Runs a graph and keeps each multiply's RoPE-shaped operand, with what it was computed from."""
 
-    def __init__(self, gm: torch.fx.GraphModule, paths: dict[int, str]) -> None:
+    def __init__(self, gm: torch.fx.GraphModule, paths: dict[int, str],
+                 sources: dict[torch.fx.Node, tuple[str | None, str]], computed: dict[int, tuple]) -> None:
         super().__init__(gm)
         self.paths = paths
+        self.sources = sources
+        self.computed = computed  # id(tensor) -> (tensor, where computed, angle dtype), from earlier graphs
+        self.carried: dict[torch.fx.Node, tuple[str, torch.dtype]] = {}  # placeholders an earlier graph computed
         self.integers: dict[torch.fx.Node, torch.Tensor] = {}  # small integer tensors: candidate positions
         self.state: dict[torch.fx.Node, str] = {}  # placeholders and attributes holding module state
         self.angle_dtypes: dict[torch.fx.Node, torch.dtype] = {}  # trig nodes -> dtype of their input
+        # Frame locals -> their path in the model: "" for the audit's own ``model``, "model.layers.3.self_attn"
+        # for ``self`` in a frame dynamo began inside an attention module after a graph break.
+        self.roots: dict[str, str] = {}
         self.candidates: list[_Candidate] = []
         self._seen: set[torch.fx.Node] = set()
 
@@ -134,6 +162,11 @@ class _Interpreter(torch.fx.Interpreter):
             return result
         if node.op in ("placeholder", "get_attr"):
             self._note_state(node, result)
+        if node.op == "placeholder":
+            self._note_root(node, result)
+            earlier = self.computed.get(id(result))
+            if earlier is not None and earlier[0] is result:
+                self.carried[node] = earlier[1:]
         if not (result.dtype.is_floating_point or result.dtype.is_complex or result.dtype == torch.bool) \
                 and result.dim() <= 3:
             self.integers[node] = result
@@ -153,6 +186,24 @@ class _Interpreter(torch.fx.Interpreter):
         if path is not None:
             self.state[node] = f"{path} ({str(value.dtype).removeprefix('torch.')})"
 
+    def _note_root(self, node: torch.fx.Node, value: torch.Tensor) -> None:
+        """Learn where the frame local a module-state placeholder starts from sits in the model: the
+        tensor's path in the model ends with its path from that local."""
+        (root, relative), absolute = self.sources.get(node, (None, "")), self.paths.get(id(value))
+        if root is None or absolute is None or root in self.roots:
+            return
+        if absolute == relative or absolute.endswith("." + relative):
+            self.roots[root] = absolute[: len(absolute) - len(relative)].rstrip(".")
+
+    def where(self, node: torch.fx.Node) -> str:
+        """The module ``node`` ran in, as a path in the model whatever frame the graph came from."""
+        relative, root = module_path(node), module_root(node)
+        base = self.roots.get(root) if root is not None else self.roots.get("self")
+        return ".".join(p for p in (base, relative) if p)
+
+    def layer(self, node: torch.fx.Node) -> str:
+        return layer_of(self.where(node))
+
     def _consider(self, multiply: torch.fx.Node, node: torch.fx.Node, value: Any, other: Any,
                   result: torch.Tensor) -> None:
         """Keep ``value`` if it is a table applied to ``other``: broadcast into it, not the other way round."""
@@ -166,19 +217,37 @@ class _Interpreter(torch.fx.Interpreter):
             return
         self._seen.add(node)
         ancestors = _ancestors(node)
+        source, angle_dtype = self.provenance(ancestors)
+        self.candidates.append(_Candidate(
+            layer=self.layer(multiply),
+            source=source or "a forward input",
+            value=value.detach().clone(),
+            position_ids=[self.integers[n] for n in ancestors if n in self.integers],
+            angle_dtype=angle_dtype,
+        ))
+
+    def provenance(self, ancestors: list[torch.fx.Node]) -> tuple[str | None, torch.dtype | None]:
+        """(where a value was computed and from what state, the dtype of its angles) from its ancestors: a
+        trig op in this graph, or a table an earlier graph computed and this one received (the layers of
+        a frame dynamo began after a graph break get cos/sin from the model-level graph as inputs)."""
         trig = next((n for n in ancestors if n in self.angle_dtypes), None)
         states = [self.state[n] for n in ancestors if n in self.state]
         if trig is not None:
-            source = f"computed in {module_path(trig) or 'forward'}" + (f" from {', '.join(states)}" if states else "")
-        else:
-            source = ", ".join(states) or "a forward input"
-        self.candidates.append(_Candidate(
-            layer=layer_of(module_path(multiply)),
-            source=source,
-            value=value.detach().clone(),
-            position_ids=[self.integers[n] for n in ancestors if n in self.integers],
-            angle_dtype=self.angle_dtypes.get(trig) if trig is not None else None,
-        ))
+            where = f"computed in {self.where(trig) or 'forward'}"
+            return where + (f" from {', '.join(states)}" if states else ""), self.angle_dtypes[trig]
+        carried = next((self.carried[n] for n in ancestors if n in self.carried), None)
+        return carried if carried is not None else (", ".join(states) or None, None)
+
+    def computed_outputs(self, output: Any) -> list[tuple[torch.Tensor, str, torch.dtype]]:
+        """(tensor, where computed, angle dtype) for each output of this run computed from a trig op."""
+        out_node = next(n for n in reversed(self.graph.nodes) if n.op == "output")
+        found = []
+        for node, value in zip(pytree.tree_leaves(out_node.args[0]), pytree.tree_leaves(output)):
+            if isinstance(node, torch.fx.Node) and isinstance(value, torch.Tensor):
+                source, angle_dtype = self.provenance(_ancestors(node))
+                if angle_dtype is not None:
+                    found.append((value, source, angle_dtype))
+        return found
 
 
 def _ancestors(node: torch.fx.Node) -> list[torch.fx.Node]:
@@ -201,11 +270,13 @@ def _measure(candidate: _Candidate) -> tuple[str, torch.Tensor, torch.Tensor] | 
         return None
     batch = value.reshape(-1, value.shape[-1])
     # The positions are the nearest integer input shaped like the rows (position_ids, cache_position), when
-    # they cover 0..L-1; else the rows are positions 0, 1, ... themselves (a cached table sliced [:seq]).
+    # they cover 0..L-1, or 0, s, 2s, ... (DeepSeek-V4's compressed windows, one every s tokens); else the
+    # rows are positions 0, 1, ... themselves (a cached table sliced [:seq]).
+    strided = False
     for ids in candidate.position_ids + [None]:
         if ids is None:
-            if value.dim() == 3 and not bool((value == value[:1]).all()):
-                return None  # per-sequence tables without their positions: nothing to measure against
+            if strided or value.dim() == 3 and not bool((value == value[:1]).all()):
+                return None  # tables at other positions than their own rows': nothing to measure against
             rows = value if value.dim() == 2 else value[0]
             positions = torch.arange(rows.shape[0], device="cpu")
         else:
@@ -213,8 +284,9 @@ def _measure(candidate: _Candidate) -> tuple[str, torch.Tensor, torch.Tensor] | 
                 continue
             flat = ids.reshape(-1).to(torch.int64).cpu()
             positions, first = _first_occurrence(flat)
-            if not torch.equal(positions, torch.arange(positions.numel(), device="cpu")):
+            if _stride(positions) is None:
                 continue
+            strided = strided or _stride(positions) > 1
             rows = batch[first.to(batch.device)]
         found = recognize_rope_table(rows)
         if isinstance(found, RopeTable) and found.length is not None:
@@ -222,6 +294,49 @@ def _measure(candidate: _Candidate) -> tuple[str, torch.Tensor, torch.Tensor] | 
             kind = single.value if single in (Part.COS, Part.SIN) else str(found.layout)
             return kind, rows, positions
     return None
+
+
+def _late_rows(candidate: _Candidate) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(rows, positions) of a table applied at positions p, p+1, ... with p > 0 (PaliGemma counts positions
+    from 1), which recognition cannot read alone: its first row is not position 0."""
+    value = candidate.value.reshape([s for s in candidate.value.shape if s != 1])
+    if value.dim() not in (2, 3):
+        return None
+    batch = value.reshape(-1, value.shape[-1])
+    for ids in candidate.position_ids:
+        if ids.numel() != batch.shape[0]:
+            continue
+        positions, first = _first_occurrence(ids.reshape(-1).to(torch.int64).cpu())
+        start = int(positions[0])
+        if start > 0 and positions.numel() >= 2 and torch.equal(positions, start + torch.arange(positions.numel(), device="cpu")):
+            return batch[first.to(batch.device)], positions
+    return None
+
+
+def _from_late_pair(candidate: _Candidate, rows: torch.Tensor, other: torch.Tensor,
+                    positions: torch.Tensor) -> AppliedTable | None:
+    """A cos and a sin applied from position p > 0, turned to the same table from position 0: with
+    z = cos + i sin = A exp(i (p + k) f), z * conj(z[0]) / |z[0]| = A exp(i k f). Either may be the cos."""
+    for cos, sin in ((rows, other), (other, rows)):
+        z = torch.complex(cos.to(torch.float64), sin.to(torch.float64))
+        first = z[:1]
+        if bool((first.abs() == 0).any()):
+            continue
+        shifted = z * first.conj() / first.abs()
+        table = torch.cat([shifted.real, shifted.imag], dim=-1).to(rows.dtype)
+        source = f"{candidate.source} (positions {int(positions[0])}..{int(positions[-1])}, measured from the first)"
+        applied = _applied(replace(candidate, source=source), table, torch.arange(positions.numel(), device="cpu"))
+        if applied is not None and applied.part_names == "cos+sin":
+            return applied
+    return None
+
+
+def _stride(positions: torch.Tensor) -> int | None:
+    """s when ``positions`` are 0, s, 2s, ... (s >= 1), else None."""
+    if positions.numel() < 2 or int(positions[0]) != 0:
+        return None
+    step = int(positions[1])
+    return step if step >= 1 and torch.equal(positions, torch.arange(positions.numel(), device="cpu") * step) else None
 
 
 def _first_occurrence(flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -236,11 +351,14 @@ def _applied(candidate: _Candidate, rows: torch.Tensor, positions: torch.Tensor)
     found = recognize_rope_table(rows)
     if not isinstance(found, RopeTable):
         return None
+    step = _stride(positions) or 1
+    # Rows s positions apart encode s times the frequencies: the key names the table's own.
+    keyed = found if step == 1 else replace(found, freqs=found.freqs / step, freq_tol=found.freq_tol / step)
     return AppliedTable(
         layer=candidate.layer,
         source=candidate.source,
         table=found,
-        key=infer_key(found, rows),
+        key=infer_key(keyed, rows),
         parts=table_parts(rows.cpu(), found.layout),  # compared with expectations computed on CPU
         positions=positions,
         dtype=rows.dtype,

@@ -19,6 +19,7 @@ from rope_dedup.tables.keys import infer_key
 from rope_dedup.tables.layout import FREQUENCIES
 from rope_dedup.tables.recognize import RopeTable, value_tolerance
 from rope_dedup.core.text import format_table
+from rope_dedup.audit.expectation import Expected, NoRope, candidates
 from rope_dedup.audit.spec import RopeSpec
 
 MISMATCH_COLUMNS = ("layer", "field", "expected", "found", "worst position")
@@ -50,6 +51,19 @@ class RopeMismatch(AssertionError):
         super().__init__("\n".join(lines))
 
 
+def check_expected(applied: AppliedTable, expected: Expected) -> tuple[Expected, list[Mismatch]]:
+    """(the expectation the table was judged by, what differs from it). Where several specs are allowed
+    (a layer that applies a ``main`` and a ``compress`` table), the table is judged by the one it matches,
+    else by the one it differs from least. A table applied where :class:`NoRope` is expected is one
+    mismatch, field ``rope``."""
+    if isinstance(expected, NoRope):
+        return expected, [Mismatch(applied.layer, "rope", str(expected), f"RoPE applied: {applied.source}", None)]
+    judged = [(spec, check_table(applied, spec)) for spec in candidates(expected)]
+    if not judged:
+        return None, []
+    return min(judged, key=lambda item: len(item[1]))  # the first clean one, if any
+
+
 def check_table(applied: AppliedTable, spec: RopeSpec) -> list[Mismatch]:
     """What in ``applied`` differs from ``spec`` (empty when every value is within tolerance)."""
     layer, found = applied.layer, applied.key
@@ -57,11 +71,21 @@ def check_table(applied: AppliedTable, spec: RopeSpec) -> list[Mismatch]:
         return [Mismatch(layer, "rotary_dim", str(spec.rotary_dim), str(found.dim), None)]
     positions = applied.positions.to(torch.float64)
     inv_freq, amplitude = spec.frequencies(found.dim, int(positions.max()) + 1)
+    if inv_freq.numel() * 2 != found.dim:
+        return [Mismatch(layer, "rotary_dim", str(2 * inv_freq.numel()), str(found.dim), None)]
     angles = positions[:, None] * inv_freq
     tolerance = value_tolerance(applied.dtype, amplitude, angles)
     excess, worst, error = _excess(applied, angles, amplitude, amplitude, tolerance)
     if excess <= 0:
         return []
+    # The expected frequencies in another order: a model that keeps them pre-permuted for a multimodal
+    # layout (Ernie 4.5 VL's inv_freq) applies, and a held vector is measured, fastest first.
+    ordered = inv_freq.sort(descending=True).values
+    if not torch.equal(ordered, inv_freq):
+        ordered_angles = positions[:, None] * ordered
+        if _excess(applied, ordered_angles, amplitude, amplitude,
+                   value_tolerance(applied.dtype, amplitude, ordered_angles))[0] <= 0:
+            return []
     mismatches = []
     applied_amplitude = applied.table.amplitude
     # Amplitude first, on its own: values rescaled to the expected amplitude then show the frequencies alone.

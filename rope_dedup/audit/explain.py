@@ -12,27 +12,33 @@ sees at a glance that layer 5 uses theta 1e6 while the others use 1e4. Told what
 
 from __future__ import annotations
 
+import contextlib
+import inspect
 import linecache
 import logging
 from collections import Counter
 from dataclasses import dataclass, fields
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
 from rope_dedup.audit.applied import AppliedTable, TableCapture
 from rope_dedup.audit.layers import MODEL, layers_of, natural_order, split_layer
 from rope_dedup.backend import RopeDedupBackend
-from rope_dedup.audit.check import MISMATCH_COLUMNS, Mismatch, RopeMismatch, check_table
+from rope_dedup.audit.check import MISMATCH_COLUMNS, Mismatch, RopeMismatch, check_expected
+from rope_dedup.audit.expectation import (Expectation, Expected, Judge, Judging, NoRope, candidates, config_conflicts,
+                                          describe, expectation_for)
 from rope_dedup.audit.held import EmptySlot, held_tables
 from rope_dedup.tables.keys import RopeKey
 from rope_dedup.core.report import DedupReport, Skip
 from rope_dedup.core.text import format_bytes, format_table
 from rope_dedup.tensors import tensor_paths
 from rope_dedup.share import share
-from rope_dedup.audit.spec import Expectation, RopeSpec, config_conflicts, expectation_for
 
 log = logging.getLogger("rope_dedup")
+
+# Without isolate_recompiles (torch < 2.13): entries a frame may hold while an audit compiles.
+_AUDIT_RECOMPILE_LIMIT = 1024
 
 _KEY_FIELDS = tuple(f.name for f in fields(RopeKey))
 COLUMNS = ("layer", "table", "group", *_KEY_FIELDS)
@@ -62,9 +68,10 @@ class LayerRow:
     tables: tuple[TableRow, ...]
     differs: tuple[str, ...]
     applied: tuple[AppliedTable, ...] = ()
-    expected: RopeSpec | None = None  # None: no expectation, or none for this layer
-    judged_as: tuple[RopeSpec | None, ...] = ()  # per applied table: its expectation (Gemma 3's model-level
+    expected: Expected = None  # None: no expectation, or none for this layer
+    judged_as: tuple[Expected, ...] = ()  # per applied table: what it was judged by (Gemma 3's model-level
     # rotary embedding holds a table per layer type, each judged by its own)
+    verdicts: tuple[tuple[str, ...], ...] = ()  # per applied table: the fields in which it differs ((): none)
 
     @property
     def odd(self) -> bool:
@@ -85,6 +92,7 @@ class Explanation:
     pattern: str | None = None  # without one: a regular mix of tables (every k-th layer), described
     judged: bool = False  # whether an expectation was given
     static: bool = False  # no forward ran: ``applied`` holds the tables the model holds
+    unmeasured: tuple[tuple[str, str], ...] = ()  # static: RoPE-named tensors in a layout not measured (path, why)
 
     @property
     def odd_layers(self) -> list[LayerRow]:
@@ -137,7 +145,7 @@ class Explanation:
                     spec = row.judged_as[i] if i < len(row.judged_as) else row.expected
                     status = f"MISMATCH: {wrong[row.layer]}" if row.layer in wrong else (
                         "ok" if spec is not None else "not judged")
-                    cells += [str(spec) if spec is not None else "-", status]
+                    cells += [describe(spec), status]
                 rows.append((bad, tuple(cells)))
         return rows
 
@@ -171,6 +179,9 @@ class Explanation:
             lines.append(f"{self.parameters_skipped} parameter(s) skipped, not listed (weights; reasons in .report.skipped)")
         if self.unread:
             lines.append(f"not read by the compiled graph, not examined ({len(self.unread)}): {', '.join(self.unread)}")
+        if self.unmeasured:
+            lines.append(f"held but in a layout the audit does not measure ({len(self.unmeasured)}):")
+            lines += [f"  {path}: {why}" for path, why in self.unmeasured]
         return lines
 
     def __str__(self) -> str:
@@ -189,7 +200,7 @@ class Explanation:
         return "\n".join(lines)
 
 
-def explain(model: torch.nn.Module, *example_inputs: Any, expect: Expectation | None = None,
+def explain(model: torch.nn.Module, *example_inputs: Any, expect: Expectation | None = None, strict: bool = False,
             **example_kwargs: Any) -> Explanation:
     """Audit ``model``'s RoPE tables: shares nothing, rewrites nothing.
 
@@ -203,32 +214,59 @@ def explain(model: torch.nn.Module, *example_inputs: Any, expect: Expectation | 
 
     ``expect`` (a :class:`~rope_dedup.RopeSpec`, a mapping from layer-name pattern to one, a callable
     ``layer -> RopeSpec | None`` or ``"config"``) is what every table should encode: ``.mismatches`` lists
-    what differs. ``"config"`` reads transformers 5's ``rope_parameters`` or 4.x's ``rope_theta`` /
-    ``rope_scaling``; a 5.x config that also carries a legacy field with another value is a mismatch of its
-    own (field ``config``).
+    what differs. ``"config"`` reads the model's transformers config in every form transformers 5 and 4.x
+    ship (:mod:`rope_dedup.audit.expectation`); a field it cannot read is a mismatch of its own (layer
+    ``(config)``, field ``config``), as is a 5.x config that also carries a legacy field with another
+    value. ``strict=True`` raises :class:`~rope_dedup.audit.spec.SpecError` on an unreadable field instead.
     """
-    judge = expectation_for(expect, model) if expect is not None else None  # bad input fails before the run
+    judging = expectation_for(expect, model, strict=strict) if expect is not None else None  # bad input fails here
     findings = [Mismatch("(config)", "config", f"rope_parameters: {c.read}",
                          f"{c.name}={c.ignored} (a legacy field: transformers 5 ignores it)", None)
                 for c in config_conflicts(model)] if isinstance(expect, str) else []
+    findings += [Mismatch("(config)", "config", "RoPE parameters the audit can read", line, None)
+                 for line in (judging.unreadable if judging is not None else ())]
     if not example_inputs and not example_kwargs:
-        tables, empty = held_tables(model, (lambda layer, path: judge(layer) or judge(path)) if judge else None)
+        held = held_tables(model, judging.judge if judging else None)
         report = share(model, backend=RopeDedupBackend(inner="eager", dry_run=True))
-        explanation = _arrange(report, model, tables, judge, static=True, empty=empty, findings=findings)
+        explanation = _arrange(report, model, held.tables, judging, static=True, empty=held.empty, findings=findings,
+                               unmeasured=held.unmeasured)
     else:
         backend = RopeDedupBackend(inner="eager", dry_run=True)
         capture = TableCapture(backend, model)
         with torch.no_grad():
             caller = _fresh_caller(model, len(example_inputs), list(example_kwargs))
-            torch.compile(caller, backend=capture)(*example_inputs, **example_kwargs)
+            with _own_recompile_budget() as compile_kwargs:
+                torch.compile(caller, backend=capture, **compile_kwargs)(*example_inputs, **example_kwargs)
         if backend.graphs_compiled == 0:
             raise RuntimeError("torch.compile traced no graph of this model (it ran eagerly), so there is nothing "
                                "to audit; TORCH_LOGS=graph_breaks,recompiles shows why")
-        explanation = _arrange(backend.report_for(model), model, capture.tables(), judge, findings=findings)
+        applied = capture.tables()
+        capture.release()
+        explanation = _arrange(backend.report_for(model), model, applied, judging, findings=findings)
     log.info("rope_dedup: %s audit: %d layer(s), %d distinct table(s), %d layer(s) differ from the majority, "
              "%d mismatch(es)", "static" if explanation.static else "dry-run", len(explanation.layers),
              len(explanation.groups), len(explanation.odd_layers), len(explanation.mismatches))
     return explanation
+
+
+@contextlib.contextmanager
+def _own_recompile_budget() -> Iterator[dict[str, Any]]:
+    """Keyword arguments for the audit's ``torch.compile`` that keep its frames' compiled entries apart.
+
+    A graph break inside a layer makes dynamo compile frames of code every transformers model shares
+    (``GradientCheckpointingLayer.__call__``, ``dynamic_rope_update``'s wrapper, ``create_causal_mask``),
+    one entry per architecture audited. The ninth such entry hits ``recompile_limit``, and dynamo then
+    runs that frame and everything it calls eagerly (``RUN_ONLY``, recursively, for good): later audits
+    saw no table applied. ``isolate_recompiles=True`` (torch 2.13+) gives each audit its own entries,
+    limit and ``RUN_ONLY`` state. Older torch has no such option: there the limit is lifted while the
+    audit compiles, so that audits cannot use it up, though their entries still count for later
+    compiles of the same code (``torch._dynamo.reset()`` clears them).
+    """
+    if "isolate_recompiles" in inspect.signature(torch.compile).parameters:
+        yield {"isolate_recompiles": True}
+        return
+    with torch._dynamo.config.patch(recompile_limit=_AUDIT_RECOMPILE_LIMIT):
+        yield {}
 
 
 def _fresh_caller(model: torch.nn.Module, arity: int, keywords: list[str]) -> Callable:
@@ -257,11 +295,11 @@ def _fresh_caller(model: torch.nn.Module, arity: int, keywords: list[str]) -> Ca
     return namespace["bind"](model)
 
 
-def _arrange(report: DedupReport, model: torch.nn.Module, applied: list[AppliedTable],
-             judge: Callable[[str], RopeSpec | None] | None, *, static: bool = False,
-             empty: list[EmptySlot] = (), findings: list[Mismatch] = ()) -> Explanation:
-    """Arrange by layer. ``applied`` are the tables applied, or held when ``static``: then a table is judged
-    by its layer's expectation, else by its own path's (``judge`` takes either)."""
+def _arrange(report: DedupReport, model: torch.nn.Module, applied: list[AppliedTable], judging: Judging | None, *,
+             static: bool = False, empty: list[EmptySlot] = (), findings: list[Mismatch] = (),
+             unmeasured: list[tuple[str, str]] = ()) -> Explanation:
+    """Arrange by layer. ``applied`` are the tables applied, or held when ``static``: a held table is judged
+    by its layer and its own path (a model-level table named for a layer type), an applied one by its layer."""
     letters = [_letter(i) for i in range(len(report.groups))]
     by_layer: dict[str, list[TableRow]] = {}
     for letter, group in zip(letters, report.groups):
@@ -277,30 +315,39 @@ def _arrange(report: DedupReport, model: torch.nn.Module, applied: list[AppliedT
         signatures = {layer: _signature((t.part_names, t.key) for t in tables) for layer, tables in applied_by_layer.items()}
     else:
         signatures = {layer: _signature((r.name, r.key) for r in rows) for layer, rows in by_layer.items()}
-    differs, pattern = ({}, None) if judge is not None else _compare_layers(
+    differs, pattern = ({}, None) if judging is not None else _compare_layers(
         [layer for layer in names if layer in signatures], signatures)
 
-    def spec_of(table: AppliedTable) -> RopeSpec | None:
-        if judge is None:
-            return None
-        return judge(table.layer) or (judge(table.source) if static else None)
-
-    judged_as = {layer: tuple(spec_of(t) for t in tables) for layer, tables in applied_by_layer.items()}
-    expected = {layer: next((s for s in specs if s is not None), None) for layer, specs in judged_as.items()}
-    layers = tuple(LayerRow(layer, tuple(sorted(by_layer.get(layer, []), key=lambda r: r.name)),
-                            differs.get(layer, ()), tuple(applied_by_layer.get(layer, [])), expected.get(layer),
-                            judged_as.get(layer, ()))
-                   for layer in names)
-    mismatches: dict[tuple, Mismatch] = {(m.layer, m.field): m for m in findings}
+    mismatches: dict[tuple, Mismatch] = {(m.layer, m.field, m.found): m for m in findings}
+    judged: dict[int, Expected] = {}
+    verdicts: dict[int, tuple[str, ...]] = {}
     for table in applied:
-        spec = spec_of(table)
-        for mismatch in check_table(table, spec) if spec is not None else ():
+        expected = judging.judge(table.layer, table.source if static else None) if judging else None
+        if static and isinstance(expected, NoRope):
+            expected = None  # a table held where none is applied: only a forward can tell
+        judged[id(table)], found = check_expected(table, expected)
+        verdicts[id(table)] = tuple(m.field for m in found)
+        for mismatch in found:
             # Once per layer, field and expectation: cos and sin say the same, Gemma 3's two tables do not.
-            mismatches.setdefault((mismatch.layer, mismatch.field, spec), mismatch)
+            mismatches.setdefault((mismatch.layer, mismatch.field, judged[id(table)]), mismatch)
+    judged_as = {layer: tuple(judged[id(t)] for t in tables) for layer, tables in applied_by_layer.items()}
+    expected_of = {layer: next((s for s in specs if s is not None), None) for layer, specs in judged_as.items()}
+    layers = tuple(LayerRow(layer, tuple(sorted(by_layer.get(layer, []), key=lambda r: r.name)),
+                            differs.get(layer, ()), tuple(applied_by_layer.get(layer, [])), expected_of.get(layer),
+                            judged_as.get(layer, ()),
+                            tuple(verdicts[id(t)] for t in applied_by_layer.get(layer, [])))
+                   for layer in names)
     for slot in empty:
         mismatches[(slot.layer, "content", slot.path)] = Mismatch(slot.layer, "content", "a RoPE table",
                                                                   f"{slot.path}: {slot.found}", None)
-    if judge is not None and not applied and not empty:
+    if judging is not None and not static:
+        for mismatch in _layers_without_rope(model, judging, applied_by_layer):
+            mismatches[(mismatch.layer, mismatch.field)] = mismatch
+    # No layer expected to apply RoPE (all linear attention, a config saying none, one the reader could not
+    # read: that is its own finding), no "nothing applied" line.
+    expects_rope = judging is not None and not judging.unreadable and (
+        not judging.stack or any(map(candidates, judging.stack.values())))
+    if expects_rope and not applied and not empty:
         found = "no RoPE table held by the model" if static else "no RoPE table applied"
         mismatches[(MODEL, "rope")] = Mismatch(MODEL, "rope", "RoPE applied in attention layers", found, None)
     parameters = {name for name, _ in model.named_parameters(remove_duplicate=False)}
@@ -316,9 +363,35 @@ def _arrange(report: DedupReport, model: torch.nn.Module, applied: list[AppliedT
         report=report,
         mismatches=tuple(mismatches.values()),
         pattern=pattern,
-        judged=judge is not None,
+        judged=judging is not None,
         static=static,
+        unmeasured=tuple(unmeasured),
     )
+
+
+def _layers_without_rope(model: torch.nn.Module, judging: Judging,
+                         applied_by_layer: dict[str, list[AppliedTable]]) -> list[Mismatch]:
+    """Layers the expectation gives RoPE that applied none, where a layer built of the same modules did:
+    the model's code turns RoPE off there (Flint's full-attention layers). Layers built otherwise (linear
+    attention, Mamba, convolutions) apply none by design and are left alone."""
+    def modules_of(layer: str) -> tuple[str, ...]:
+        return tuple(sorted({type(m).__name__ for m in model.get_submodule(layer).modules()}))
+
+    applying = {modules_of(layer): layer for layer in judging.stack if layer in applied_by_layer}
+    found = []
+    for layer, expected in judging.stack.items():
+        if layer in applied_by_layer or not candidates(expected):
+            continue
+        other = applying.get(modules_of(layer))
+        if other is None:
+            continue
+        kind = judging.kinds.get(layer)
+        found.append(Mismatch(layer, "rope", describe(expected) + (f" (layer type {kind})" if kind else ""),
+                              f"no RoPE table applied, though {other}"
+                              + (f" ({judging.kinds[other]})" if judging.kinds.get(other) else "")
+                              + ", built of the same modules, applies one: the model's code turns RoPE off here",
+                              None))
+    return found
 
 
 def key_cells(key: RopeKey) -> list[str]:

@@ -1,25 +1,22 @@
 """What a layer's RoPE is meant to be: :class:`RopeSpec`, its scaling, and the frequencies it implies.
 
-An expectation for :func:`rope_dedup.audit.explain` is a ``RopeSpec`` for every layer, a mapping from layer-name
-pattern to ``RopeSpec``, a callable ``layer -> RopeSpec | None``, or ``"config"`` (the model's own
-transformers configuration). Whatever the form, it ends up as one function from layer name to
-expected frequencies and amplitude, which :mod:`rope_dedup.audit.check` compares with what the layer applied.
+A ``RopeSpec`` is one form of ``expect=`` for :func:`rope_dedup.audit.explain`; every form ends up as
+expected frequencies and amplitude per layer (:mod:`rope_dedup.audit.expectation`), which
+:mod:`rope_dedup.audit.check` compares with what the layer applied.
 
 The formulas follow transformers' ``modeling_rope_utils`` (linear, dynamic NTK, llama3, YaRN, longrope)
-so that torch stays the only dependency; ``"config"`` uses transformers' own ``ROPE_INIT_FUNCTIONS``
-when transformers is installed, so the expectation is what the library itself would build.
+so that torch stays the only dependency. They serve specs written by hand and configs read without
+transformers installed; ``expect="config"`` with transformers installed computes with transformers' own
+functions instead, and ``tests/test_expect.py`` fails where the two disagree.
 """
 
 from __future__ import annotations
 
-import fnmatch
 import math
-from dataclasses import dataclass, field, fields
-from typing import Any, Callable, Mapping, Union
+from dataclasses import dataclass, fields
+from typing import Any, Mapping
 
 import torch
-
-from rope_dedup.audit.layers import layer_index
 
 SCALING_TYPES = ("linear", "dynamic", "llama3", "yarn", "longrope")
 # Parameters each scaling type cannot do without (the others have transformers' defaults).
@@ -131,163 +128,6 @@ class RopeSpec:
         if self.attention_factor is not None:
             parts.append(f"attention_factor={_number(self.attention_factor)}")
         return " ".join(parts)
-
-
-@dataclass(frozen=True)
-class ConfigSpec(RopeSpec):
-    """A :class:`RopeSpec` read from a transformers config: frequencies come from transformers itself."""
-
-    config: Any = field(default=None, compare=False, repr=False)
-    layer_type: str | None = None  # the key of per-layer-type ``rope_parameters`` (Gemma 3, ModernBERT)
-    rope_type: str = "default"
-
-    def frequencies(self, dim: int, seq_len: int) -> tuple[torch.Tensor, float]:
-        """transformers' ``ROPE_INIT_FUNCTIONS[rope_type]`` when installed; the same formulas here otherwise."""
-        try:
-            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-        except ImportError:
-            ROPE_INIT_FUNCTIONS = {}
-        init = ROPE_INIT_FUNCTIONS.get(self.rope_type)
-        if init is None:  # "default" has no entry there: each model computes it as theta ** (-2j / dim)
-            return super().frequencies(dim, seq_len)
-        kwargs = {"layer_type": self.layer_type} if self.layer_type is not None else {}
-        inv_freq, attention_factor = init(self.config, torch.device("cpu"), seq_len=seq_len, **kwargs)
-        return inv_freq.to(torch.float64), float(attention_factor)
-
-
-Expectation = Union[RopeSpec, Mapping[str, RopeSpec], Callable[[str], Union[RopeSpec, None]], str]
-
-
-def expectation_for(expect: Expectation, model: torch.nn.Module) -> Callable[[str], RopeSpec | None]:
-    """Turn any form of ``expect`` into ``layer name -> RopeSpec | None`` (None: that layer is not judged)."""
-    if isinstance(expect, RopeSpec):
-        return lambda layer: expect
-    if isinstance(expect, str):
-        if expect != "config":
-            raise SpecError(f"expect={expect!r}: the only string understood is 'config'")
-        return config_expectation(model)
-    if isinstance(expect, Mapping):
-        for pattern, spec in expect.items():
-            if not isinstance(spec, RopeSpec):
-                raise SpecError(f"expect[{pattern!r}] is {type(spec).__name__}, not a RopeSpec")
-        # First matching pattern wins, in the mapping's order (fnmatch: layers.[0-2], *.layers.*).
-        return lambda layer: next((spec for pattern, spec in expect.items() if fnmatch.fnmatchcase(layer, pattern)),
-                                  None)
-    if callable(expect):
-        return expect
-    raise SpecError(f"expect must be a RopeSpec, a mapping, a callable or 'config', not {type(expect).__name__}")
-
-
-def _text_config(model: torch.nn.Module) -> Any:
-    config = getattr(model, "config", None)
-    if config is None:
-        raise SpecError("expect='config' needs model.config (a transformers model's configuration); "
-                        f"{type(model).__name__} has none")
-    if hasattr(config, "get_text_config"):  # multimodal wrappers keep the decoder's settings there
-        config = config.get_text_config()
-    return config
-
-
-def config_expectation(model: torch.nn.Module) -> Callable[[str], RopeSpec | None]:
-    """Per layer, the RoPE ``model.config`` asks for (``layer_types`` picks per-type parameters).
-
-    The function also takes a table's full path: a layer type that starts its name picks that type's
-    parameters (Gemma 3's model-level ``sliding_attention_inv_freq``)."""
-    config = _text_config(model)
-    parameters = getattr(config, "rope_parameters", None)
-    if parameters is None:  # transformers 4: rope_theta and rope_scaling side by side
-        theta = getattr(config, "rope_theta", None)
-        if theta is None:
-            raise SpecError("model.config has neither rope_parameters nor rope_theta")
-        parameters = {**(getattr(config, "rope_scaling", None) or {}), "rope_theta": theta}
-    layer_types = getattr(config, "layer_types", None)
-    per_type = bool(layer_types) and all(isinstance(parameters.get(t), Mapping) for t in set(layer_types))
-    head_dim = getattr(config, "head_dim", None)
-    if head_dim is None:
-        hidden, heads = getattr(config, "hidden_size", None), getattr(config, "num_attention_heads", None)
-        if hidden is None or heads is None:
-            raise SpecError("model.config has no head_dim, nor hidden_size and num_attention_heads to derive it")
-        head_dim = hidden // heads
-    specs = {t: _spec_from_parameters(parameters[t], config, head_dim, t) for t in set(layer_types)} if per_type \
-        else {None: _spec_from_parameters(parameters, config, head_dim, None)}
-
-    def expected(layer: str) -> RopeSpec | None:
-        if not per_type:
-            return specs[None]
-        index = layer_index(layer)
-        if index is not None:
-            return specs[layer_types[index]] if index < len(layer_types) else None
-        name = layer.rpartition(".")[2]
-        return next((spec for t, spec in specs.items() if name.startswith(f"{t}_")), None)
-
-    return expected
-
-
-@dataclass(frozen=True)
-class ConfigConflict:
-    """A config that says two things: a legacy 4.x field next to the ``rope_parameters`` transformers 5 reads
-    (DeepSpeed #8341: code that sets or reads ``config.rope_theta`` now misses the value in use)."""
-
-    name: str  # the legacy field: rope_theta or rope_scaling
-    read: str  # what rope_parameters says, which transformers 5 uses
-    ignored: str  # the legacy field's value, which it ignores
-
-
-def config_conflicts(model: torch.nn.Module) -> list[ConfigConflict]:
-    """Legacy ``rope_theta`` / ``rope_scaling`` set on ``model.config`` that disagree with its
-    ``rope_parameters`` (per layer type: with every type's). Empty for a 4.x config, which has only those."""
-    config = _text_config(model)
-    parameters = getattr(config, "rope_parameters", None)
-    if not isinstance(parameters, Mapping):
-        return []
-    nested = [p for p in parameters.values() if isinstance(p, Mapping)]
-    groups = nested or [parameters]
-    legacy = vars(config)  # set on the instance: transformers 5 maps neither to rope_parameters
-    conflicts = []
-    theta = legacy.get("rope_theta")
-    if theta is not None and all(g.get("rope_theta") != theta for g in groups):
-        conflicts.append(ConfigConflict("rope_theta", " / ".join(f"rope_theta={_number(g.get('rope_theta'))}"
-                                                                  for g in groups), _number(theta)))
-    scaling = legacy.get("rope_scaling")
-    if isinstance(scaling, Mapping):
-        def kind(p: Mapping) -> tuple:
-            return p.get("rope_type") or p.get("type") or "default", p.get("factor")
-
-        if all(kind(g) != kind(scaling) for g in groups):
-            conflicts.append(ConfigConflict("rope_scaling", " / ".join(f"{kind(g)[0]} factor {kind(g)[1]}" for g in groups),
-                                            f"{kind(scaling)[0]} factor {kind(scaling)[1]}"))
-    return conflicts
-
-
-def _spec_from_parameters(parameters: Mapping[str, Any], config: Any, head_dim: int,
-                          layer_type: str | None) -> ConfigSpec:
-    where = f"rope_parameters[{layer_type!r}]" if layer_type else "rope_parameters"
-    theta = parameters.get("rope_theta")
-    if theta is None:
-        raise SpecError(f"model.config.{where} has no rope_theta")
-    rope_type = parameters.get("rope_type") or parameters.get("type") or "default"
-    if rope_type != "default" and rope_type not in SCALING_TYPES:
-        raise SpecError(f"model.config.{where}: rope_type {rope_type!r} is not one the audit knows "
-                        f"({', '.join(('default',) + SCALING_TYPES)})")
-    partial = parameters.get("partial_rotary_factor") or getattr(config, "partial_rotary_factor", None) or 1.0
-    scaling = None
-    if rope_type != "default":
-        # transformers fills in what a config leaves out (yarn's and longrope's factor from the lengths).
-        known = {f.name for f in fields(Scaling)} - {"type"}
-        given = {k: v for k, v in parameters.items() if k in known and v is not None}
-        if "original_max_position_embeddings" not in given and rope_type == "dynamic":
-            given["original_max_position_embeddings"] = getattr(config, "max_position_embeddings", None)
-        if given.get("factor") is None and rope_type in ("yarn", "longrope"):
-            original = given.get("original_max_position_embeddings")
-            maximum = getattr(config, "max_position_embeddings", None)
-            given["factor"] = maximum / original if original and maximum else None
-        try:
-            scaling = Scaling(rope_type, **given)
-        except SpecError as error:
-            raise SpecError(f"model.config.{where}: {error}") from None
-    return ConfigSpec(theta=float(theta), rotary_dim=int(head_dim * partial), scaling=scaling,
-                      attention_factor=parameters.get("attention_factor"), config=config, layer_type=layer_type,
-                      rope_type=rope_type)
 
 
 def parse_spec(text: str) -> RopeSpec:

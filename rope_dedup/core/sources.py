@@ -135,7 +135,8 @@ def declare_constant_source(gm: torch.fx.GraphModule, attribute: str) -> None:
 
 
 def module_path(node: torch.fx.Node) -> str:
-    """``model.layers.0.self_attn`` from dynamo's ``nn_module_stack`` (``L['model'].model.layers[0]...``)."""
+    """``model.layers.0.self_attn`` from dynamo's ``nn_module_stack`` (``L['model'].model.layers[0]...``):
+    relative to the frame's root local (:func:`module_root`)."""
     stack = node.meta.get("nn_module_stack") or {}
     if not stack:
         return ""
@@ -144,6 +145,25 @@ def module_path(node: torch.fx.Node) -> str:
     path = re.sub(r"\[(\d+)\]", r".\1", path)
     path = re.sub(r"\['([^']+)'\]", r".\1", path)
     return path.strip(".")
+
+
+def module_root(node: torch.fx.Node) -> str | None:
+    """The frame local :func:`module_path` starts from (``model``; ``self`` in a frame dynamo began inside a
+    module after a graph break), or None when the node ran in no module."""
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return None
+    found = re.match(r"^L\['([^']*)'\]", str(list(stack.values())[-1][0]))
+    return found.group(1) if found else None
+
+
+def source_root(node: torch.fx.Node) -> str | None:
+    """The frame local a placeholder's source starts from (``self`` for ``L['self']._modules['q_proj']...``)."""
+    source = getattr(node.meta.get("grapharg"), "source", None)
+    if source is None:
+        return None
+    root, _ = _steps(source)
+    return getattr(root, "local_name", None)
 
 
 class WatchedInput(NamedTuple):
