@@ -15,7 +15,7 @@ import torch
 from rope_dedup.core.eligibility import Refusal, SkipReason
 from rope_dedup.tables.keys import RopeKey
 from rope_dedup.core.store import base_name
-from rope_dedup.core.text import format_bytes, format_table
+from rope_dedup.core.text import format_bytes, wrap
 from rope_dedup.tensors import describe_placement, local, module_tensors, storage_nbytes, storage_ptr
 
 
@@ -137,17 +137,17 @@ class DedupReport:
         return cls(groups, skipped, list(errors), _departed(store, shared, tensors))
 
     def __str__(self) -> str:
+        """The report as plain text no wider than :data:`~rope_dedup.core.text.TEXT_WIDTH` columns: per
+        distinct table its key, then its tensors, bytes and members; then errors, skips and departures."""
         lines = [f"rope_dedup: {len(self.groups)} distinct RoPE table(s), "
                  f"{sum(len(g.members) for g in self.groups)} tensor(s); "
                  f"{format_bytes(self.bytes_before)} -> {format_bytes(self.bytes_after)} "
                  f"(saved {format_bytes(self.bytes_saved)})"]
-        if self.groups:
-            rows = [("key", "tensors", "before", "after", "members")]
-            for g in self.groups:
-                members = ", ".join(g.members[:3]) + (f", ... (+{len(g.members) - 3})" if len(g.members) > 3 else "")
-                rows.append((str(g.key), str(len(g.members)), format_bytes(g.bytes_before),
-                             format_bytes(g.bytes_after), members))
-            lines += format_table(rows)
+        for g in self.groups:
+            members = ", ".join(g.members[:3]) + (f", ... (+{len(g.members) - 3})" if len(g.members) > 3 else "")
+            lines += [f"  {g.key}",
+                      f"    {len(g.members)} tensor(s), {format_bytes(g.bytes_before)} -> "
+                      f"{format_bytes(g.bytes_after)}: {members}"]
         for error in self.errors:
             lines.append(f"ERROR: {error}")
         for g in self.conflicts:
@@ -166,7 +166,7 @@ class DedupReport:
             lines.append(f"freed after sharing {len(self.departed)}:")
             replaced = [d for d in self.departed if d.replaced]
             if replaced:
-                replacement = format_bytes(sum(d.replacement_bytes for d in replaced))
+                replacement = format_bytes(sum(d.replacement_bytes or 0 for d in replaced))
                 lines.append(f"  replaced by a tensor with its own storage ({replacement} in all), shared again when "
                              f"a compiled graph reads it, not while dynamo runs the frame eagerly (past its "
                              f"recompile limit): {_listed([d.path for d in replaced])}")
@@ -181,7 +181,7 @@ class DedupReport:
             lines.append("no RoPE table found")
         if self.pass_seconds:
             lines.append("pass time: " + ", ".join(f"{name} {s:.3f} s" for name, s in self.pass_seconds.items()))
-        return "\n".join(lines)
+        return "\n".join(part for line in lines for part in wrap(line))
 
 
 def _listed(paths: list[str]) -> str:
