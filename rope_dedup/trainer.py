@@ -25,7 +25,7 @@ from rope_dedup.core.report import DedupReport
 from rope_dedup.share import share
 
 
-class ShareRopeTables(TrainerCallback):  # type: ignore[misc]  # transformers ships no type information
+class ShareRopeTables(TrainerCallback):
     """``Trainer(..., callbacks=[ShareRopeTables()])``: :func:`rope_dedup.share` on the model at the start of
     each ``train()``; ``report`` is that call's :class:`~rope_dedup.DedupReport`."""
 

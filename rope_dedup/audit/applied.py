@@ -137,8 +137,8 @@ class _Interpreter(torch.fx.Interpreter):
         if not (result.dtype.is_floating_point or result.dtype.is_complex or result.dtype == torch.bool) \
                 and result.dim() <= 3:
             self.integers[node] = result
-        if node.target in _TRIG and node.args and isinstance(self.env.get(node.args[0]), torch.Tensor):
-            self.angle_dtypes[node] = self.env[node.args[0]].dtype
+        if node.target in _TRIG and node.args and isinstance(self.env.get(node.args[0]), torch.Tensor):  # type: ignore[arg-type]
+            self.angle_dtypes[node] = self.env[node.args[0]].dtype  # type: ignore[index]
         if node.target in _MULTIPLY and node.op in ("call_function", "call_method") and len(node.args) == 2:
             for mine, other in (node.args, node.args[::-1]):
                 if isinstance(mine, torch.fx.Node) and isinstance(other, torch.fx.Node) and mine not in self._seen:
@@ -148,7 +148,7 @@ class _Interpreter(torch.fx.Interpreter):
     def _note_state(self, node: torch.fx.Node, value: torch.Tensor) -> None:
         path = self.paths.get(id(value))
         if path is None:
-            where = placeholder_origin(node) if node.op == "placeholder" else attribute_origin(self.module, node.target)
+            where = placeholder_origin(node) if node.op == "placeholder" else attribute_origin(self.module, node.target)  # type: ignore[arg-type]
             path = where.path if where is not None and where.origin is not Origin.INPUT else None
         if path is not None:
             self.state[node] = f"{path} ({str(value.dtype).removeprefix('torch.')})"

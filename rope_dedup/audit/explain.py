@@ -16,7 +16,7 @@ import linecache
 import logging
 from collections import Counter
 from dataclasses import dataclass, fields
-from typing import Any, Callable
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
@@ -315,7 +315,7 @@ def _fresh_caller(model: torch.nn.Module, arity: int, keywords: list[str]) -> Ca
 
 def _arrange(report: DedupReport, model: torch.nn.Module, applied: list[AppliedTable],
              judge: Callable[[str], RopeSpec | None] | None, *, static: bool = False,
-             empty: list[EmptySlot] = (), findings: list[Mismatch] = ()) -> Explanation:
+             empty: Sequence[EmptySlot] = (), findings: Sequence[Mismatch] = ()) -> Explanation:
     """Arrange by layer. ``applied`` are the tables applied, or held when ``static``: then a table is judged
     by its layer's expectation, else by its own path's (``judge`` takes either)."""
     letters = [_letter(i) for i in range(len(report.groups))]
@@ -398,7 +398,7 @@ def _cell(name: str, value: Any) -> str:
     return str(value)
 
 
-def _signature(tables) -> tuple:
+def _signature(tables: Iterable[tuple[str, RopeKey]]) -> tuple:
     """What a layer's tables are, as sorted (name, key) pairs: layers with equal signatures are alike."""
     return tuple(sorted(tables, key=lambda item: (item[0], str(item[1]))))
 

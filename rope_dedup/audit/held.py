@@ -81,8 +81,8 @@ def _measured(layer: str, path: str, tensor: torch.Tensor, found: RopeTable,
     if found.layout.arrangement is Arrangement.FREQUENCIES:
         # Model code turns frequencies into angles in float32 whatever their dtype: that is what it applies.
         length = _FREQUENCY_POSITIONS
-        if spec is not None and spec.scaling is not None and spec.scaling.type == "dynamic":
-            length = min(length, spec.scaling.original_max_position_embeddings)
+        if spec is not None and spec.scaling is not None and spec.scaling.type == "dynamic":  # type: ignore[union-attr]
+            length = min(length, spec.scaling.original_max_position_embeddings)  # type: ignore[assignment, type-var, union-attr]
         positions = torch.arange(length)
         parts = {"angle": positions[:, None].to(torch.float64) * values.to(torch.float64)}
         return AppliedTable(layer, path, found, infer_key(found, tensor), parts, positions,
@@ -132,4 +132,4 @@ def _describe(tensor: torch.Tensor, found: RopeTable | NotRope | None) -> str:
         return "NaN or inf: uninitialized memory (to_empty without re-filling the RoPE buffers?)"
     if not bool(values.ne(0).any()):
         return "all zeros: never filled (to_empty without re-filling the RoPE buffers?)"
-    return f"not a RoPE table: {found.reason}"
+    return f"not a RoPE table: {found.reason}"  # type: ignore[union-attr]

@@ -14,7 +14,7 @@ import torch
 
 from rope_dedup.core.eligibility import Refusal, SkipReason
 from rope_dedup.tables.keys import RopeKey
-from rope_dedup.core.store import base_name
+from rope_dedup.core.store import CanonicalStore, base_name
 from rope_dedup.core.text import format_bytes, wrap
 from rope_dedup.tensors import describe_placement, local, module_tensors, storage_nbytes, storage_ptr
 
@@ -95,7 +95,7 @@ class DedupReport:
         return [g for g in self.groups if g.conflict_with is not None]
 
     @classmethod
-    def from_stores(cls, stores: Iterable, model: torch.nn.Module | None = None, errors: Sequence[str] = (),
+    def from_stores(cls, stores: Iterable[CanonicalStore], model: torch.nn.Module | None = None, errors: Sequence[str] = (),
                     pass_seconds: Mapping[str, float] | None = None) -> DedupReport:
         """One report over several stores (a backend keeps one per storage policy its compiles asked for)."""
         parts = [cls.from_store(store, model) for store in stores]
@@ -103,7 +103,7 @@ class DedupReport:
                    [d for p in parts for d in p.departed], dict(pass_seconds or {}))
 
     @classmethod
-    def from_store(cls, store, model: torch.nn.Module | None = None, errors: Sequence[str] = ()) -> DedupReport:
+    def from_store(cls, store: CanonicalStore, model: torch.nn.Module | None = None, errors: Sequence[str] = ()) -> DedupReport:
         """Snapshot a :class:`~rope_dedup.core.store.CanonicalStore`'s live groups and its skip list.
 
         With ``model``, members and skipped tensors are named by their full path in it: under regional
@@ -188,7 +188,7 @@ def _listed(paths: list[str]) -> str:
     return ", ".join(paths[:4]) + (f", ... (+{len(paths) - 4})" if len(paths) > 4 else "")
 
 
-def _departed(store, shared: set[str], tensors: dict[int, tuple[str, torch.Tensor]]) -> list[Departed]:
+def _departed(store: CanonicalStore, shared: set[str], tensors: dict[int, tuple[str, torch.Tensor]]) -> list[Departed]:
     """The store's freed members whose path (store name, or full path) has no shared tensor now: a shared
     replacement closes the story."""
     at = {path: tensor for path, tensor in tensors.values()}

@@ -144,11 +144,11 @@ class CanonicalStore:
             log.info("rope_dedup: %s is written by a graph compiled now; it gets its own storage back", name)
             self.release(tensor)
         if plan.action is Action.SKIP:
-            self._skip(name, plan.refusal, tensor)
+            self._skip(name, plan.refusal, tensor)  # type: ignore[arg-type]
         elif plan.action is Action.JOIN:
-            self._alias(tensor, plan.group, self._unique_name(name))
+            self._alias(tensor, plan.group, self._unique_name(name))  # type: ignore[arg-type]
         elif plan.action is Action.NEW:
-            self._new_group(tensor, plan.key, self._unique_name(name))
+            self._new_group(tensor, plan.key, self._unique_name(name))  # type: ignore[arg-type]
 
     def _live_canonical(self, group: _Group) -> torch.Tensor | None:
         """The group's canonical table, checked before anything reads it: a member whose storage was freed or
@@ -179,7 +179,7 @@ class CanonicalStore:
         return None
 
     def _alias(self, tensor: torch.Tensor, group: _Group, name: str) -> None:
-        canonical, mine = local(self._live_canonical(group)), local(tensor)
+        canonical, mine = local(self._live_canonical(group)), local(tensor)  # type: ignore[arg-type]
         # Memory this tensor held on its own before sharing: none if it already lived in the canonical storage.
         original = 0 if storage_ptr(canonical) == storage_ptr(mine) else storage_nbytes(mine)
         moved = storage_ptr(canonical) != storage_ptr(mine) or canonical.storage_offset() != mine.storage_offset()
@@ -310,7 +310,7 @@ class CanonicalStore:
             live = [(t, m) for t, m in live if t is not None]
             if live:
                 result.append((group, live))
-        return result
+        return result  # type: ignore[return-value]
 
 
 def _may_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -335,4 +335,4 @@ def _share_storage(mine: torch.Tensor, canonical: torch.Tensor) -> None:
 
 def _own_storage(mine: torch.Tensor) -> None:
     with torch.no_grad():
-        mine.set_(mine.clone(memory_format=torch.preserve_format))
+        mine.set_(mine.clone(memory_format=torch.preserve_format))  # type: ignore[call-overload]

@@ -24,7 +24,7 @@ def print_table(console: Any, table: Table, flag_style: str = "bold yellow", box
     def part(columns: list[int], title: str) -> Any:
         from rich.table import Table as RichTable
 
-        shown = RichTable(title=title, title_justify="left", **({} if boxed else {"box": box.SIMPLE_HEAD}))
+        shown = RichTable(title=title, title_justify="left", box=box.HEAVY_HEAD if boxed else box.SIMPLE_HEAD)
         for i in columns:
             shown.add_column(table.columns[i], justify="left" if i == 0 or boxed else "right", overflow="fold")
         for row in table.rows:
