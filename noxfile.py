@@ -1,6 +1,6 @@
 """The project's test sessions, each in a venv of its own: ``nox`` runs the default ones (what CI runs).
 
-    nox                          # tests, transformers4, then the import contract: every default check
+    nox                          # tests, transformers4, the import contract, the type check: every default check
     nox -s torch                 # the fast suite on every supported torch release
     nox -s "torch(version='2.11.0')"
     nox -r                       # reuse the venvs of an earlier run (much faster locally)
@@ -20,7 +20,7 @@ from pathlib import Path
 import nox
 
 nox.options.default_venv_backend = "venv"
-nox.options.sessions = ["tests", "transformers4", "imports"]
+nox.options.sessions = ["tests", "transformers4", "imports", "typecheck"]
 
 CI_TORCH = "2.13.0"
 # The releases the README's "Supported torch versions" table was measured on.
@@ -34,6 +34,7 @@ PYTEST = ["python", "-m", "pytest", "-n", "2"]
 # (4.x) on 2 shared cores (docs/zoo.md), with room for a slower machine.
 ZOO_BUDGET = "2700"
 ZOO4_BUDGET = "600"
+MYPY = "mypy==2.4.1"
 
 
 def install_test_env(session: nox.Session, torch_version: str, env: dict[str, str] | None = None) -> None:
@@ -83,6 +84,19 @@ def imports(session: nox.Session) -> None:
     config = str(Path(__file__).resolve().parent / "pyproject.toml")
     session.chdir(session.create_tmp())  # away from the source tree: rope_dedup comes from site-packages
     session.run("lint-imports", config)
+
+
+@nox.session
+def typecheck(session: nox.Session) -> None:
+    """mypy over the package as it installs (passes/ becomes rope_dedup.passes, which the source tree does not
+    nest) and over tests/typing_user.py, a user's typed script, at the strictness pyproject.toml's [tool.mypy]
+    declares. Errors name files in the session's install folder; the same paths under rope_dedup/ (or passes/)
+    are the sources."""
+    session.install(f"torch=={CI_TORCH}", MYPY)  # torch for its type information
+    site = Path(session.create_tmp()) / "site"
+    session.install("--no-deps", "--target", str(site), "--upgrade", ".")
+    session.run("mypy", "--config-file", "pyproject.toml", "--cache-dir", str(site.parent / "mypy-cache"),
+                str(site / "rope_dedup"), "tests/typing_user.py", env={"MYPYPATH": str(site)})
 
 
 @nox.session

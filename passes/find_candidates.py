@@ -54,7 +54,7 @@ def find_candidates(gm: torch.fx.GraphModule, example_inputs: Sequence | None = 
         value = getattr(owner, attr, None)
         if not isinstance(value, torch.Tensor):
             continue
-        where = attribute_origin(gm, node.target)
+        where = attribute_origin(gm, node.target)  # type: ignore[assignment]
         if where is not None and where.origin is not Origin.INPUT:  # freezing: dynamo knows the real owner
             candidates.append(_from_origin(node, value, where, None))
             continue
@@ -87,12 +87,12 @@ def duplicates_by_memory(kept: list[Candidate]) -> tuple[dict, list[tuple[int, .
         where = (memory_ptr(t), t.dtype, tuple(local(t).shape), tuple(local(t).stride()), placement(t))
         if where not in first:
             first[where] = candidate
-            merged[where] = [candidate.input_index]
+            merged[where] = [candidate.input_index]  # type: ignore[list-item]
             continue
         canonical = first[where]
         if candidate.node is canonical.node:
             continue
         duplicates[candidate.node] = canonical.node
-        merged[where].append(candidate.input_index)
+        merged[where].append(candidate.input_index)  # type: ignore[arg-type]
     groups = [tuple(g) for g in merged.values() if len(g) > 1 and None not in g]
     return duplicates, groups

@@ -58,7 +58,7 @@ def find_pure_nodes(gm: torch.fx.GraphModule) -> dict[torch.fx.Node, State]:
             continue
         target = node.target
         if target is torch.amp._enter_autocast:
-            autocast.append(_normalize(node.args, lambda n: n))
+            autocast.append(_normalize(node.args, lambda n: n))  # type: ignore[arg-type]
             state = State(tuple(autocast), state.grad, state.epoch)
             continue
         if target is torch.amp._exit_autocast:

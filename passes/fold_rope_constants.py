@@ -157,8 +157,8 @@ class _Evaluator:
         # tensors, which run in and out of inference mode alike.
         with _disable_current_modes(), torch.inference_mode(False):
             if node.op == "call_method":
-                return getattr(args[0], node.target)(*args[1:], **kwargs)
-            return node.target(*args, **kwargs)
+                return getattr(args[0], node.target)(*args[1:], **kwargs)  # type: ignore[arg-type]
+            return node.target(*args, **kwargs)  # type: ignore[operator]
 
 
 class _Unavailable(Exception):

@@ -26,16 +26,16 @@ from rope_dedup.passes.pass_base import GraphPass, PassContext, RopePassResult, 
 
 PASSES: tuple[GraphPass, ...] = tuple(GraphPass(module.rewrite)
                                      for module in (dedup_rope, merge_rope_subgraphs, fold_rope_constants))
-CONSTRAINTS = [this_before_that_pass_constraint(GraphPass(dedup_rope.rewrite), GraphPass(merge_rope_subgraphs.rewrite))]
+CONSTRAINTS = [this_before_that_pass_constraint(GraphPass(dedup_rope.rewrite), GraphPass(merge_rope_subgraphs.rewrite))]  # type: ignore[arg-type]
 # The declaration is checked once, where it is made; the passes a config enables keep its order.
-PassManager(list(PASSES), CONSTRAINTS).validate_constraints()
+PassManager(list(PASSES), CONSTRAINTS).validate_constraints()  # type: ignore[arg-type]
 
 
 def enabled_passes(config: RopeDedupConfig) -> list[GraphPass]:
     """The declared passes ``config`` turns on, in declared order."""
     computed = config.computed_table_transforms()
     off = {merge_rope_subgraphs.rewrite: not computed.merge, fold_rope_constants.rewrite: not computed.fold}
-    return [p for p in PASSES if not off.get(p.rewrite, False)]
+    return [p for p in PASSES if not off.get(p.rewrite, False)]  # type: ignore[arg-type]
 
 
 def run_pipeline(gm: torch.fx.GraphModule, example_inputs: Sequence | None, config: RopeDedupConfig,

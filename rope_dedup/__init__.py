@@ -26,9 +26,11 @@ if not SUPPORTED_TORCH[0] <= _torch_release(torch.__version__) < SUPPORTED_TORCH
                       f"<{'.'.join(map(str, SUPPORTED_TORCH[1]))}; installed torch is {torch.__version__}")
 
 import importlib
+import importlib.metadata
 import sys
 import types
 import warnings
+from typing import Any
 
 from rope_dedup.audit.check import RopeMismatch
 from rope_dedup.audit.explain import Explanation, explain
@@ -46,10 +48,18 @@ from rope_dedup.tables.keys import RopeKey
 from rope_dedup.tracing import symbolic_trace
 from rope_dedup.unshare import unshare
 
+try:
+    __version__ = importlib.metadata.version("rope-dedup")
+except importlib.metadata.PackageNotFoundError:  # a source tree on sys.path, never installed
+    __version__ = "0+unknown"
+
+# The release that drops the deprecated names below; CHANGELOG.md lists each under "Deprecated".
+REMOVED_IN = "0.3.0"
+
 # Shared tables stay shared through .to(), .half(), to_empty(): see rope_dedup/core/moves.py.
 moves.install()
 
-# Modules that moved into product folders (0.2): importable from the old path for one more release.
+# Modules that moved into product folders (0.2): importable from the old path until REMOVED_IN.
 MOVED_MODULES = {
     "store": "core.store", "eligibility": "core.eligibility", "report": "core.report", "memory": "core.memory",
     "reload": "core.reload", "sources": "core.sources", "recognize": "tables.recognize", "keys": "tables.keys",
@@ -69,11 +79,11 @@ class _MovedModule(types.ModuleType):
         super().__init__(old)
         self._new = new
 
-    def __getattr__(self, name: str):
+    def __getattr__(self, name: str) -> Any:
         if name.startswith("__"):
             raise AttributeError(name)
         warnings.warn(f"{self.__name__} moved to {self._new}: import {name} from there ({self.__name__} goes "
-                      f"in the next release)", DeprecationWarning, stacklevel=2)
+                      f"in {REMOVED_IN})", DeprecationWarning, stacklevel=2)
         return getattr(importlib.import_module(self._new), name)
 
     def __dir__(self) -> list[str]:
@@ -84,10 +94,10 @@ for _old, _new in MOVED_MODULES.items():
     sys.modules.setdefault(f"rope_dedup.{_old}", _MovedModule(f"rope_dedup.{_old}", f"rope_dedup.{_new}"))
 
 
-def __getattr__(name: str):
-    if name == "RopeDedupResult":  # renamed in 0.1 without a warning: kept one release with one
-        warnings.warn("rope_dedup.RopeDedupResult is now rope_dedup.RopePassResult (RopeDedupResult goes in the "
-                      "next release)", DeprecationWarning, stacklevel=2)
+def __getattr__(name: str) -> Any:
+    if name == "RopeDedupResult":  # renamed in 0.1 without a warning: kept until REMOVED_IN with one
+        warnings.warn(f"rope_dedup.RopeDedupResult is now rope_dedup.RopePassResult (RopeDedupResult goes in "
+                      f"{REMOVED_IN})", DeprecationWarning, stacklevel=2)
         return RopePassResult
     raise AttributeError(f"module 'rope_dedup' has no attribute {name!r}")
 

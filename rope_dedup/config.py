@@ -104,7 +104,7 @@ class RopeDedupConfig:
         if self.mode == "default":  # torch.compile's own spelling of "no mode"
             object.__setattr__(self, "mode", None)
         if self.inner == "inductor":
-            known = torch._inductor.config.get_config_copy()
+            known = torch._inductor.config.get_config_copy()  # type: ignore[assignment]
             unknown = [k for k in self.inner_options if k.replace("-", "_") not in known]
             if unknown:
                 raise ValueError(f"unknown option(s) {', '.join(map(repr, unknown))}: rope_dedup's options are "
@@ -137,7 +137,7 @@ class RopeDedupConfig:
                                 f"cannot be deep-copied ({error})") from error
         return RopeDedupConfig(**copied)
 
-    def __reduce_ex__(self, protocol: int) -> tuple:
+    def __reduce_ex__(self, protocol: int) -> tuple:  # type: ignore[override]  # pickle passes an int
         # The read-only options view cannot be pickled: pickle the keywords and rebuild through the
         # constructor. Each field is tried first, so an unpicklable one (a lambda inner) is named.
         values = self._fields()

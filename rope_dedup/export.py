@@ -16,6 +16,7 @@ import contextlib
 import copy
 import logging
 import warnings
+from typing import Any, Iterator
 
 import torch
 import torch.fx
@@ -72,7 +73,7 @@ def dedup_exported(ep: ExportedProgram, *, share_persistent: bool = False) -> Ex
             continue
         duplicates[placeholders[input_spec.arg.name]] = placeholders[first.arg.name]
         if input_spec.target in ep.state_dict:  # a persistent buffer or frozen parameter: its key stays
-            aliased[input_spec.target] = _value(ep, first)
+            aliased[input_spec.target] = _value(ep, first)  # type: ignore[index]
         else:
             dropped.add(input_spec.arg.name)
     redirect_to_canonical(gm, duplicates)
@@ -109,7 +110,7 @@ def dedup_exported(ep: ExportedProgram, *, share_persistent: bool = False) -> Ex
 
 
 @contextlib.contextmanager
-def _quiet_pytree_deprecation():
+def _quiet_pytree_deprecation() -> Iterator[None]:
     """Deep-copying an exported program's pytree specs trips a deprecation warning raised within torch
     itself: not the user's to act on."""
     with warnings.catch_warnings():
@@ -117,7 +118,7 @@ def _quiet_pytree_deprecation():
         yield
 
 
-def _value(ep: ExportedProgram, input_spec: InputSpec):
+def _value(ep: ExportedProgram, input_spec: InputSpec) -> Any:
     if input_spec.kind == InputKind.PARAMETER or (input_spec.kind == InputKind.BUFFER and input_spec.persistent):
         return ep.state_dict.get(input_spec.target)
     if input_spec.kind in (InputKind.BUFFER, InputKind.CONSTANT_TENSOR):

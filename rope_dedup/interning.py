@@ -116,5 +116,5 @@ class InterningCallable:
             log.warning("rope_dedup: RoPE inputs that were identical at compile time now differ "
                         "(a table was replaced after compiling); running the graph without the merge")
             counters["rope_dedup"]["fallbacks"] += 1
-            self._fallback = self._fallback_factory(args)
+            self._fallback = self._fallback_factory(args)  # type: ignore[misc]
         return self._fallback(*args)

@@ -49,7 +49,7 @@ def _store(backend: RopeDedupBackend | None, settings: dict[str, Any]) -> tuple[
 
 def _still_filling(plan: Plan) -> Refusal | None:
     """A partly filled cache, or one equal to a partly filled canonical: see the module docstring."""
-    key = plan.key if plan.action is Action.NEW else plan.group.key if plan.action is Action.JOIN else None
+    key = plan.key if plan.action is Action.NEW else plan.group.key if plan.action is Action.JOIN else None  # type: ignore[union-attr]
     if key is None or key.filled is None:
         return None
     return Refusal(SkipReason.FILLING, f"{key.filled} of {key.length} positions written")
@@ -125,7 +125,7 @@ class sharing:  # noqa: N801 (used as a context manager, like torch.no_grad)
             if sharing._active is not None:
                 raise RuntimeError("sharing() blocks do not nest: one is already active")
             sharing._active, self._used = self, True
-        self._handle = register_module_buffer_registration_hook(self._registered)
+        self._handle = register_module_buffer_registration_hook(self._registered)  # type: ignore[assignment]
         return self
 
     def __exit__(self, *exc_info: Any) -> None:

@@ -18,7 +18,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 try:
     from torch.distributed.tensor import DTensor
 except ImportError:  # torch built without distributed support
-    DTensor = None
+    DTensor = None  # type: ignore[assignment, misc]
 
 
 def is_dtensor(tensor: torch.Tensor) -> bool:
@@ -27,12 +27,12 @@ def is_dtensor(tensor: torch.Tensor) -> bool:
 
 def local(tensor: torch.Tensor) -> torch.Tensor:
     """The tensor that owns the memory: the local shard of a DTensor, else the tensor itself."""
-    return tensor._local_tensor if is_dtensor(tensor) else tensor
+    return tensor._local_tensor if is_dtensor(tensor) else tensor  # type: ignore[attr-defined]
 
 
 def placement(tensor: torch.Tensor) -> tuple | None:
     """(mesh, placements) of a DTensor, None for a plain tensor: tables share only within one."""
-    return (tensor.device_mesh, tuple(tensor.placements)) if is_dtensor(tensor) else None
+    return (tensor.device_mesh, tuple(tensor.placements)) if is_dtensor(tensor) else None  # type: ignore[attr-defined]
 
 
 def describe_placement(where: tuple | None) -> str | None:

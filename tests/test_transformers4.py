@@ -20,6 +20,7 @@ import pytest
 import torch
 from real_models import unique_storages
 from torch._dynamo.testing import CompileCounterWithBackend
+from torch._dynamo.utils import counters
 
 from rope_dedup import RopeDedupBackend
 
@@ -194,3 +195,55 @@ def test_the_static_audit_flags_every_layer_when_the_config_theta_changed_after_
     attention_layers = sorted({m.layer for m in found})
     assert len(attention_layers) == LAYERS and {m.field for m in found} == {"theta"}
     assert calls == []
+
+
+# -- the Trainer door ---------------------------------------------------------------------------------------
+
+def train_two_steps(tmp_path, monkeypatch, callbacks: list) -> tuple[list[torch.Tensor], torch.nn.Module]:
+    """Two optimizer steps of a tiny Qwen2 through ``Trainer``, compiled by accelerate with ``aot_eager``
+    (AOTAutograd's training graphs without inductor's minutes of CPU codegen); the loss of each step."""
+    from transformers import Trainer, TrainingArguments
+
+    for name in ("ACCELERATE_DYNAMO_BACKEND", "ACCELERATE_DYNAMO_MODE"):  # TrainingArguments sets them
+        monkeypatch.delenv(name, raising=False)
+    model = MODELS["qwen2"]().train()
+    data = [{"input_ids": tokens(16)[0], "labels": tokens(16)[0]} for _ in range(4)]
+    losses = []
+
+    class Recording(Trainer):
+        def compute_loss(self, model, inputs, return_outputs=False):
+            loss = super().compute_loss(model, inputs, return_outputs)
+            losses.append(loss.detach().clone())
+            return loss
+
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=2, learning_rate=1e-2,
+                             use_cpu=True, report_to="none", save_strategy="no", logging_strategy="no",
+                             disable_tqdm=True, seed=0, torch_compile=True, torch_compile_backend="aot_eager")
+    Recording(model=model, args=args, train_dataset=data, callbacks=callbacks).train()
+    return losses, model
+
+
+def test_trainer_with_shared_tables_trains_as_without(tmp_path, monkeypatch) -> None:
+    from rope_dedup.trainer import ShareRopeTables
+
+    plain, unshared = train_two_steps(tmp_path / "plain", monkeypatch, [])
+    callback = ShareRopeTables()
+    shared, model = train_two_steps(tmp_path / "shared", monkeypatch, [callback])
+    assert len(plain) == len(shared) == 2
+    for a, b in zip(plain, shared):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert unique_storages(rope_tensors(unshared)) == 3 * LAYERS  # inv_freq, cos and sin per layer
+    assert unique_storages(rope_tensors(model)) == 3  # one each, still after two compiled steps
+    assert sorted(g.key.layout for g in callback.report.groups) == ["cos-halves", "inv_freq", "sin-halves"]
+    assert counters["stats"]["unique_graphs"] > 0  # accelerate compiled the model: the path under test
+
+
+def test_accelerate_refuses_the_backend_by_name(tmp_path, monkeypatch) -> None:
+    """Why the door is a callback: accelerate reads the backend name as a closed enum."""
+    from accelerate import Accelerator
+    from transformers import TrainingArguments
+
+    monkeypatch.delenv("ACCELERATE_DYNAMO_BACKEND", raising=False)
+    TrainingArguments(output_dir=str(tmp_path), use_cpu=True, torch_compile_backend="rope_dedup")
+    with pytest.raises(ValueError, match="ROPE_DEDUP"):
+        Accelerator()

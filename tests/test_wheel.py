@@ -34,6 +34,7 @@ def test_wheel_installs_and_runs_the_profile_and_the_backend_name(tmp_path) -> N
     files = run(python, "-c", "import rope_dedup, pathlib; print(pathlib.Path(rope_dedup.__file__).parent)",
                 cwd=tmp_path).strip()
     assert str(ROOT) not in files  # the installed package, not this checkout
+    assert (Path(files) / "py.typed").is_file()  # users' type checkers read the package's hints
 
     out = run(venv / "bin" / "rope-dedup", "profile", "--inner", "eager", "--layers", "2", "--context", "256",
               "--head-dim", "16", "--steps", "2", "--step-seconds", "0", cwd=tmp_path)

@@ -109,18 +109,18 @@ class TableCapture:
             if kind not in ("cos", "sin"):
                 found.append(_applied(candidate, rows, positions))
                 continue
-            waiting = lone.setdefault((candidate.layer, rows.shape, positions.numel()), [])
-            partner = next((entry for entry in waiting if entry[0] != kind), None)
-            if partner is None:
-                waiting.append((kind, candidate, rows, positions))
+            alone = lone.setdefault((candidate.layer, rows.shape, positions.numel()), [])
+            other = next((entry for entry in alone if entry[0] != kind), None)
+            if other is None:
+                alone.append((kind, candidate, rows, positions))
                 continue
-            waiting.remove(partner)
-            mine, theirs = (rows, candidate), (partner[2], partner[1])
+            alone.remove(other)
+            mine, theirs = (rows, candidate), (other[2], other[1])
             (cos, cos_from), (sin, sin_from) = (mine, theirs) if kind == "cos" else (theirs, mine)
             source = cos_from.source if cos_from.source == sin_from.source else f"{cos_from.source} + {sin_from.source}"
             pair = _applied(replace(candidate, source=source), torch.cat([cos, sin], dim=-1), positions)
-            found += [pair] if pair is not None else [_applied(candidate, rows, positions), _applied(*partner[1:])]
-        found += [_applied(*entry[1:]) for waiting in lone.values() for entry in waiting]
+            found += [pair] if pair is not None else [_applied(candidate, rows, positions), _applied(*other[1:])]
+        found += [_applied(*entry[1:]) for alone in lone.values() for entry in alone]
         unique: dict[tuple, AppliedTable] = {}
         for table in found:  # q and k of one layer read the same table: list it once
             if table is not None:
@@ -170,8 +170,8 @@ class _Interpreter(torch.fx.Interpreter):
         if not (result.dtype.is_floating_point or result.dtype.is_complex or result.dtype == torch.bool) \
                 and result.dim() <= 3:
             self.integers[node] = result
-        if node.target in _TRIG and node.args and isinstance(self.env.get(node.args[0]), torch.Tensor):
-            self.angle_dtypes[node] = self.env[node.args[0]].dtype
+        if node.target in _TRIG and node.args and isinstance(self.env.get(node.args[0]), torch.Tensor):  # type: ignore[arg-type]
+            self.angle_dtypes[node] = self.env[node.args[0]].dtype  # type: ignore[index]
         if node.target in _MULTIPLY and node.op in ("call_function", "call_method") and len(node.args) == 2:
             for mine, other in (node.args, node.args[::-1]):
                 if isinstance(mine, torch.fx.Node) and isinstance(other, torch.fx.Node) and mine not in self._seen:
@@ -181,7 +181,7 @@ class _Interpreter(torch.fx.Interpreter):
     def _note_state(self, node: torch.fx.Node, value: torch.Tensor) -> None:
         path = self.paths.get(id(value))
         if path is None:
-            where = placeholder_origin(node) if node.op == "placeholder" else attribute_origin(self.module, node.target)
+            where = placeholder_origin(node) if node.op == "placeholder" else attribute_origin(self.module, node.target)  # type: ignore[arg-type]
             path = where.path if where is not None and where.origin is not Origin.INPUT else None
         if path is not None:
             self.state[node] = f"{path} ({str(value.dtype).removeprefix('torch.')})"
@@ -238,7 +238,7 @@ class _Interpreter(torch.fx.Interpreter):
         carried = next((self.carried[n] for n in ancestors if n in self.carried), None)
         return carried if carried is not None else (", ".join(states) or None, None)
 
-    def computed_outputs(self, output: Any) -> list[tuple[torch.Tensor, str, torch.dtype]]:
+    def computed_outputs(self, output: Any) -> list[tuple[torch.Tensor, str | None, torch.dtype]]:
         """(tensor, where computed, angle dtype) for each output of this run computed from a trig op."""
         out_node = next(n for n in reversed(self.graph.nodes) if n.op == "output")
         found = []
@@ -284,9 +284,10 @@ def _measure(candidate: _Candidate) -> tuple[str, torch.Tensor, torch.Tensor] | 
                 continue
             flat = ids.reshape(-1).to(torch.int64).cpu()
             positions, first = _first_occurrence(flat)
-            if _stride(positions) is None:
+            step = _stride(positions)
+            if step is None:
                 continue
-            strided = strided or _stride(positions) > 1
+            strided = strided or step > 1
             rows = batch[first.to(batch.device)]
         found = recognize_rope_table(rows)
         if isinstance(found, RopeTable) and found.length is not None:

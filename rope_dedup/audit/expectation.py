@@ -131,7 +131,8 @@ class ConfigSpec(RopeSpec):
     def frequencies(self, dim: int, seq_len: int) -> tuple[torch.Tensor, float]:
         """What transformers' function builds at ``seq_len``; without transformers, the same formulas here."""
         if self.init is None:
-            return _frequencies(self.theta, self.exponent_dim or dim, self.scaling, self.attention_factor, seq_len)
+            return _frequencies(self.theta, self.exponent_dim or dim, self.scaling,  # type: ignore[arg-type]
+                                self.attention_factor, seq_len)
         inv_freq, attention_factor = _call_init(self.init, self.config, self.layer_type, seq_len)
         return inv_freq.to(torch.float64), float(attention_factor)
 
@@ -256,7 +257,7 @@ def read_config(model: torch.nn.Module, *, strict: bool = False) -> Judging:
         return Judging(lambda layer, source: None, tuple(reader.unreadable))
     layers = _ConfigLayers(model, config, reader, parameters)
     stack = {f"{layers.stack_path}.{i}": layers.of_layer(i) for i in range(layers.stack_size)}
-    for label in layers.labels or [None]:  # read now, so that every unreadable field is known before judging
+    for label in layers.labels if layers.labels else (None,):  # read now, so that every unreadable field is known before judging
         layers.of_label(label, label if layers.by_type else None)
     kinds = {layer: layers.types[i] for i, layer in enumerate(stack)
              if isinstance(layers.types, (list, tuple)) and i < len(layers.types)}
@@ -370,7 +371,7 @@ def _foreign_towers(model: torch.nn.Module, config: Any) -> list[str]:
     vision tower's, Evolla's protein encoder's): what they hold is theirs to describe. (A layer holding
     its own copy of the text config, as per-layer configs give, is no tower.)"""
     kinds = {type(config), type(getattr(model, "config", None))}
-    towers = []
+    towers: list[str] = []
     for path, module in model.named_modules():
         held = module.__dict__.get("config")
         if path and held is not None and type(held) not in kinds and hasattr(held, "to_dict") \
@@ -409,7 +410,7 @@ def _default_init(model: torch.nn.Module, config: Any) -> Callable | None:
     rotary = [m for m in model.modules() if hasattr(type(m), "compute_default_rope_parameters")]
     own = [m for m in rotary if getattr(m, "config", None) is config]
     for module in own + rotary:
-        return type(module).compute_default_rope_parameters
+        return getattr(type(module), "compute_default_rope_parameters")
     return None
 
 

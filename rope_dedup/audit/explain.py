@@ -18,7 +18,7 @@ import linecache
 import logging
 from collections import Counter
 from dataclasses import dataclass, fields
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 
@@ -26,12 +26,12 @@ from rope_dedup.audit.applied import AppliedTable, TableCapture
 from rope_dedup.audit.layers import MODEL, layers_of, natural_order, split_layer
 from rope_dedup.backend import RopeDedupBackend
 from rope_dedup.audit.check import MISMATCH_COLUMNS, Mismatch, RopeMismatch, check_expected
-from rope_dedup.audit.expectation import (Expectation, Expected, Judge, Judging, NoRope, candidates, config_conflicts,
+from rope_dedup.audit.expectation import (Expectation, Expected, Judging, NoRope, candidates, config_conflicts,
                                           describe, expectation_for)
 from rope_dedup.audit.held import EmptySlot, held_tables
 from rope_dedup.tables.keys import RopeKey
 from rope_dedup.core.report import DedupReport, Skip
-from rope_dedup.core.text import format_bytes, format_table
+from rope_dedup.core.text import Row, Table, format_bytes, format_table, wrap
 from rope_dedup.tensors import tensor_paths
 from rope_dedup.share import share
 
@@ -130,23 +130,11 @@ class Explanation:
 
     def applied_rows(self) -> list[tuple[bool, tuple[str, ...]]]:
         """(layer mismatches or differs, cells under :meth:`applied_columns`) per applied table."""
-        wrong = {m.layer: m.field for m in self.mismatches}
         rows = []
         for row in self.layers:
-            for i, table in enumerate(row.applied):
-                bad = row.layer in wrong or row.odd
-                # Held tables show their layout (inv_freq, cos|sin, complex); applied ones what reached the multiply.
-                what = table.table.layout if self.static else table.part_names
-                dtype = _cell("dtype", table.angle_dtype) if self.static and table.angle_dtype else _dtypes(table)
-                cells = [(row.layer + (" *" if bad else "")) if i == 0 else "", what, table.source,
-                         _cell("theta", table.key.theta), str(table.key.dim), table.key.scaling or "-",
-                         f"{table.table.amplitude:.4g}", dtype, table.span]
-                if self.judged:
-                    spec = row.judged_as[i] if i < len(row.judged_as) else row.expected
-                    status = f"MISMATCH: {wrong[row.layer]}" if row.layer in wrong else (
-                        "ok" if spec is not None else "not judged")
-                    cells += [describe(spec), status]
-                rows.append((bad, tuple(cells)))
+            bad = row.layer in self._wrong() or row.odd
+            for i, cells in enumerate(self._applied_cells(row)):
+                rows.append((bad, ((row.layer + (" *" if bad else "")) if i == 0 else "", *cells)))
         return rows
 
     def rows(self) -> list[tuple[bool, tuple[str, ...]]]:
@@ -158,12 +146,82 @@ class Explanation:
                 rows.append((row.odd, (layer, table.name, table.group, *key_cells(table.key))))
         return rows
 
+    def tables(self) -> list[Table]:
+        """The audit's tables as data: the tables each layer holds, and those it applies (static: what each
+        held table encodes). A caption explains the ``*`` mark under a table only when a row carries it."""
+        tables = []
+        held = self.rows()
+        if held:
+            legend = "* key differs from most layers; one group letter = identical content"
+            tables.append(Table("tables each layer holds", COLUMNS, _rows(held),
+                                legend if _marks_a_row(held) else None))
+        applied = self.applied_rows()
+        if applied:
+            legend = "* differs from the expectation (mismatches below)" if self.judged else "* differs from most layers"
+            title = "what each held table encodes" if self.static else "tables each layer applies"
+            tables.append(Table(title, self.applied_columns(), _rows(applied),
+                                legend if _marks_a_row(applied) else None))
+        return tables
+
+    def mismatch_table(self) -> Table | None:
+        """The mismatches, shown after the notes; None when there are none."""
+        if not self.mismatches:
+            return None
+        title = f"{len(self.mismatches)} mismatch(es)" + (" with the expectation" if self.judged else "")
+        return Table(title, MISMATCH_COLUMNS, tuple(Row(m.cells(), flagged=True) for m in self.mismatches))
+
+    def to_dict(self) -> dict[str, Any]:
+        """What the audit found as plain values, for ``rope-dedup audit --format json``."""
+        columns = self.applied_columns()[1:]
+        return {
+            "headline": self.headline(),
+            "static": self.static,
+            "judged": self.judged,
+            "bytes_before": self.report.bytes_before,
+            "bytes_after": self.report.bytes_after,
+            "layers": [{
+                "layer": row.layer,
+                "differs": list(row.differs),
+                "tables": [{"table": t.name, "group": t.group, **key_values(t.key)} for t in row.tables],
+                "applied": [dict(zip(columns, cells)) for cells in self._applied_cells(row)],
+            } for row in self.layers],
+            "pattern": self.pattern,
+            "groups": {letter: list(members) for letter, members in self.groups.items()},
+            "mismatches": [{"layer": m.layer, "field": m.field, "expected": m.expected, "found": m.found,
+                            "worst_position": m.worst_position, "error": m.error} for m in self.mismatches],
+            "skipped": [{"path": s.path, "kind": s.kind.name, "reason": s.reason} for s in self.skipped],
+            "parameters_skipped": self.parameters_skipped,
+            "unread": list(self.unread),
+            "errors": list(self.report.errors),
+        }
+
+    def _wrong(self) -> dict[str, str]:
+        return {m.layer: m.field for m in self.mismatches}
+
+    def _applied_cells(self, row: LayerRow) -> list[tuple[str, ...]]:
+        """Cells under :meth:`applied_columns` but the layer, per table ``row`` applies (or holds)."""
+        wrong = self._wrong()
+        cells = []
+        for i, table in enumerate(row.applied):
+            # Held tables show their layout (inv_freq, cos|sin, complex); applied ones what reached the multiply.
+            what = table.table.layout if self.static else table.part_names
+            dtype = _cell("dtype", table.angle_dtype) if self.static and table.angle_dtype else _dtypes(table)
+            line = [what, table.source, _cell("theta", table.key.theta), str(table.key.dim),
+                    table.key.scaling or "-", f"{table.table.amplitude:.4g}", dtype, table.span]
+            if self.judged:
+                spec = row.judged_as[i] if i < len(row.judged_as) else row.expected
+                status = f"MISMATCH: {wrong[row.layer]}" if row.layer in wrong else (
+                    "ok" if spec is not None else "not judged")
+                line += [describe(spec), status]
+            cells.append(tuple(line))
+        return cells
+
     def notes(self) -> list[str]:
         """What follows the table: odd layers (lines starting with ``*``), groups, warnings, skips."""
         report = self.report
         lines = [f"* {row.layer} differs from most layers: {'; '.join(row.differs)}" for row in self.odd_layers]
         if self.pattern:
-            lines.append(self.pattern)
+            lines += self.pattern.splitlines()
         if self.groups:
             lines.append("groups (identical content; the tables of a group would share one storage):")
             lines += [f"  {letter}: " + (f"{len(members)} tables in {', '.join(layers_of(members))}"
@@ -185,18 +243,16 @@ class Explanation:
         return lines
 
     def __str__(self) -> str:
-        owned = [cells for _, cells in self.rows()]
-        applied = [cells for _, cells in self.applied_rows()]
-        lines = [self.headline()]
-        if owned:
-            lines += ["tables each layer holds:", *format_table([COLUMNS] + owned)]
-        if applied:
-            title = "what each held table encodes:" if self.static else "tables each layer applies:"
-            lines += [title, *format_table([self.applied_columns()] + applied)]
-        lines += self.notes()
-        if self.mismatches:
-            lines += [f"{len(self.mismatches)} mismatch(es)" + (" with the expectation:" if self.judged else ":"),
-                      *format_table([MISMATCH_COLUMNS] + [m.cells() for m in self.mismatches])]
+        """The audit as plain text no wider than :data:`~rope_dedup.core.text.TEXT_WIDTH` columns."""
+        lines = wrap(self.headline())
+        for table in self.tables():
+            lines += [f"{table.title}:", *format_table([table.columns, *table.cells()])]
+            lines += wrap(table.caption) if table.caption else []
+        for line in self.notes():
+            lines += wrap(line)
+        mismatches = self.mismatch_table()
+        if mismatches is not None:
+            lines += [f"{mismatches.title}:", *format_table([mismatches.columns, *mismatches.cells()])]
         return "\n".join(lines)
 
 
@@ -296,8 +352,8 @@ def _fresh_caller(model: torch.nn.Module, arity: int, keywords: list[str]) -> Ca
 
 
 def _arrange(report: DedupReport, model: torch.nn.Module, applied: list[AppliedTable], judging: Judging | None, *,
-             static: bool = False, empty: list[EmptySlot] = (), findings: list[Mismatch] = (),
-             unmeasured: list[tuple[str, str]] = ()) -> Explanation:
+             static: bool = False, empty: Sequence[EmptySlot] = (), findings: Sequence[Mismatch] = (),
+             unmeasured: Sequence[tuple[str, str]] = ()) -> Explanation:
     """Arrange by layer. ``applied`` are the tables applied, or held when ``static``: a held table is judged
     by its layer and its own path (a model-level table named for a layer type), an applied one by its layer."""
     letters = [_letter(i) for i in range(len(report.groups))]
@@ -348,8 +404,8 @@ def _arrange(report: DedupReport, model: torch.nn.Module, applied: list[AppliedT
     expects_rope = judging is not None and not judging.unreadable and (
         not judging.stack or any(map(candidates, judging.stack.values())))
     if expects_rope and not applied and not empty:
-        found = "no RoPE table held by the model" if static else "no RoPE table applied"
-        mismatches[(MODEL, "rope")] = Mismatch(MODEL, "rope", "RoPE applied in attention layers", found, None)
+        none = "no RoPE table held by the model" if static else "no RoPE table applied"
+        mismatches[(MODEL, "rope")] = Mismatch(MODEL, "rope", "RoPE applied in attention layers", none, None)
     parameters = {name for name, _ in model.named_parameters(remove_duplicate=False)}
     skipped = tuple(s for s in report.skipped if s.path not in parameters)
     seen = {m for g in report.groups for m in g.members} | {s.path for s in report.skipped}
@@ -394,6 +450,12 @@ def _layers_without_rope(model: torch.nn.Module, judging: Judging,
     return found
 
 
+def key_values(key: RopeKey) -> dict[str, Any]:
+    """A key's fields as JSON values: numbers stay numbers, the rest is text."""
+    return {name: value if value is None or isinstance(value, (int, float)) else _cell(name, value)
+            for name, value in ((name, getattr(key, name)) for name in _KEY_FIELDS)}
+
+
 def key_cells(key: RopeKey) -> list[str]:
     """A key's fields as short strings, in :class:`RopeKey` field order (for tables)."""
     return [_cell(name, getattr(key, name)) for name in _KEY_FIELDS]
@@ -409,7 +471,7 @@ def _cell(name: str, value: Any) -> str:
     return str(value)
 
 
-def _signature(tables) -> tuple:
+def _signature(tables: Iterable[tuple[str, RopeKey]]) -> tuple:
     """What a layer's tables are, as sorted (name, key) pairs: layers with equal signatures are alike."""
     return tuple(sorted(tables, key=lambda item: (item[0], str(item[1]))))
 
@@ -452,6 +514,15 @@ def _differences(signature: tuple, reference: tuple, label: str) -> tuple[str, .
         names = sorted(name for name, _ in signature)
         differs.append(f"tables {', '.join(names)} ({label}: {', '.join(name for name, _ in reference)})")
     return tuple(differs)
+
+
+def _rows(rows: list[tuple[bool, tuple[str, ...]]]) -> tuple[Row, ...]:
+    """Flagged cells as table rows; a row that names its layer starts a section."""
+    return tuple(Row(cells, flagged, section=bool(cells[0]) and i > 0) for i, (flagged, cells) in enumerate(rows))
+
+
+def _marks_a_row(rows: list[tuple[bool, tuple[str, ...]]]) -> bool:
+    return any(flagged for flagged, _ in rows)
 
 
 def _dtypes(table: AppliedTable) -> str:

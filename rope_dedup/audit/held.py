@@ -38,7 +38,7 @@ from rope_dedup.tables.keys import infer_key
 from rope_dedup.tables.layout import Arrangement
 from rope_dedup.tables.recognize import NotRope, RopeTable, recognize_rope_table
 from rope_dedup.audit.expectation import Expected, candidates
-from rope_dedup.audit.spec import RopeSpec
+from rope_dedup.audit.spec import RopeSpec, Scaling
 from rope_dedup.tensors import Origin, is_plain, local, module_state, readable
 
 SLOT_NAMES = frozenset({"inv_freq", "cos", "sin", "cos_cached", "sin_cached", "freqs_cis", "rope_cache",
@@ -93,14 +93,15 @@ def held_tables(model: torch.nn.Module, judge: Callable[[str, str], Expected] | 
         named = _has_rope_name(path.rpartition(".")[2])
         specs = candidates(judge(layer, path)) if judge is not None else ()
         table = None
-        if isinstance(found[path], RopeTable):
+        recognized = found[path]
+        if isinstance(recognized, RopeTable):
             if not (named or _is_rotary(owner)):
                 continue
-            table = _measured(layer, path, tensor, found[path], specs)
+            table = _measured(layer, path, tensor, recognized, specs)
         elif named and _plausible(tensor):
             table = _reordered(layer, path, tensor)
             if table is None:
-                held.unmeasured.append((path, found[path].reason))
+                held.unmeasured.append((path, recognized.reason if recognized is not None else "unreadable (freed, or on meta)"))
                 continue
         if table is not None:
             held.tables.append(table)
@@ -149,8 +150,10 @@ def _measured(layer: str, path: str, tensor: torch.Tensor, found: RopeTable,
         # Model code turns frequencies into angles in float32 whatever their dtype: that is what it applies.
         length = _FREQUENCY_POSITIONS
         for spec in specs:
-            if spec.scaling is not None and spec.scaling.type == "dynamic":
-                length = min(length, spec.scaling.original_max_position_embeddings)
+            scaling = spec.scaling
+            if isinstance(scaling, Scaling) and scaling.type == "dynamic" \
+                    and scaling.original_max_position_embeddings is not None:
+                length = min(length, scaling.original_max_position_embeddings)
         positions = torch.arange(length, device="cpu")
         parts = {"angle": positions[:, None].to(torch.float64) * values.to(device="cpu", dtype=torch.float64)}
         return AppliedTable(layer, path, found, infer_key(found, tensor), parts, positions,
@@ -230,4 +233,4 @@ def _describe(tensor: torch.Tensor, found: RopeTable | NotRope | None) -> str:
         return "NaN or inf: uninitialized memory (to_empty without re-filling the RoPE buffers?)"
     if not bool(values.ne(0).any()):
         return "all zeros: never filled (to_empty without re-filling the RoPE buffers?)"
-    return f"not a RoPE table: {found.reason}"
+    return f"not a RoPE table: {found.reason}"  # type: ignore[union-attr]

@@ -117,7 +117,7 @@ class RopeSpec:
 
     def frequencies(self, dim: int, seq_len: int) -> tuple[torch.Tensor, float]:
         """(inv_freq as float64 of shape (dim/2,), attention factor) for a table covering ``seq_len`` positions."""
-        return _frequencies(self.theta, dim, self.scaling, self.attention_factor, seq_len)
+        return _frequencies(self.theta, dim, self.scaling, self.attention_factor, seq_len)  # type: ignore[arg-type]
 
     def __str__(self) -> str:
         parts = [f"theta={_number(self.theta)}"]
@@ -169,7 +169,7 @@ def _parse_scaling(text: str) -> Scaling:
     except ValueError as error:
         raise SpecError(f"--expect: scaling {text!r}: {error}") from None
     try:
-        return Scaling(kind, **parsed)
+        return Scaling(kind, **parsed)  # type: ignore[arg-type]
     except SpecError as error:
         raise SpecError(f"--expect: {error} (scaling={kind}:{':'.join(names)})") from None
 
@@ -179,38 +179,38 @@ def _frequencies(theta: float, dim: int, scaling: Scaling | None, attention_fact
     """transformers' formulas, in float64."""
     exponents = torch.arange(0, dim, 2, dtype=torch.float64, device="cpu") / dim
     kind = scaling.type if scaling is not None else None
-    if kind == "dynamic" and seq_len > scaling.original_max_position_embeddings:
+    if kind == "dynamic" and seq_len > scaling.original_max_position_embeddings:  # type: ignore[operator, union-attr]
         # NTK: a larger base once the sequence outgrows the original length.
-        theta = theta * ((scaling.factor * seq_len / scaling.original_max_position_embeddings)
-                         - (scaling.factor - 1)) ** (dim / (dim - 2))
+        theta = theta * ((scaling.factor * seq_len / scaling.original_max_position_embeddings)  # type: ignore[operator, union-attr]
+                         - (scaling.factor - 1)) ** (dim / (dim - 2))  # type: ignore[operator, union-attr]
     inv_freq = 1.0 / theta ** exponents
     default_factor = 1.0
     if kind == "linear":
-        inv_freq = inv_freq / scaling.factor
+        inv_freq = inv_freq / scaling.factor  # type: ignore[operator, union-attr]
     elif kind == "llama3":
-        inv_freq = _llama3(inv_freq, scaling)
+        inv_freq = _llama3(inv_freq, scaling)  # type: ignore[arg-type]
     elif kind == "yarn":
-        inv_freq, default_factor = _yarn(inv_freq, theta, dim, scaling)
+        inv_freq, default_factor = _yarn(inv_freq, theta, dim, scaling)  # type: ignore[arg-type]
     elif kind == "longrope":
-        long = seq_len > scaling.original_max_position_embeddings
-        factors = torch.tensor(scaling.long_factor if long else scaling.short_factor, dtype=torch.float64,
-                               device="cpu")
+        long = seq_len > scaling.original_max_position_embeddings  # type: ignore[operator, union-attr]
+        factors = torch.tensor(scaling.long_factor if long else scaling.short_factor,  # type: ignore[union-attr]
+                               dtype=torch.float64, device="cpu")
         if factors.numel() != inv_freq.numel():
             raise SpecError(f"longrope: {factors.numel()} factors for a rotary dim of {dim}")
         inv_freq = inv_freq / factors
-        factor = scaling.factor or 1.0
+        factor = scaling.factor or 1.0  # type: ignore[union-attr]
         if factor > 1:
-            default_factor = math.sqrt(1 + math.log(factor) / math.log(scaling.original_max_position_embeddings))
+            default_factor = math.sqrt(1 + math.log(factor) / math.log(scaling.original_max_position_embeddings))  # type: ignore[arg-type, union-attr]
     return inv_freq, default_factor if attention_factor is None else float(attention_factor)
 
 
 def _llama3(inv_freq: torch.Tensor, s: Scaling) -> torch.Tensor:
-    low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
-    high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+    low_wavelen = s.original_max_position_embeddings / s.low_freq_factor  # type: ignore[operator]
+    high_wavelen = s.original_max_position_embeddings / s.high_freq_factor  # type: ignore[operator]
     wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > low_wavelen, inv_freq / s.factor, inv_freq)
-    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
-    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / s.factor, inv_freq)  # type: ignore[operator]
+    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)  # type: ignore[arg-type, operator]
+    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled  # type: ignore[operator]
     medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
     return torch.where(medium, smoothed, scaled)
 
@@ -220,12 +220,12 @@ def _yarn(inv_freq: torch.Tensor, theta: float, dim: int, s: Scaling) -> tuple[t
         return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
 
     if s.mscale and s.mscale_all_dim:
-        attention_factor = mscale(s.factor, s.mscale) / mscale(s.factor, s.mscale_all_dim)
+        attention_factor = mscale(s.factor, s.mscale) / mscale(s.factor, s.mscale_all_dim)  # type: ignore[arg-type]
     else:
-        attention_factor = mscale(s.factor)
+        attention_factor = mscale(s.factor)  # type: ignore[arg-type]
 
     def correction_dim(rotations: float) -> float:
-        return dim * math.log(s.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+        return dim * math.log(s.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(theta))  # type: ignore[operator]
 
     low, high = correction_dim(s.beta_fast), correction_dim(s.beta_slow)
     if s.truncate:
@@ -235,7 +235,7 @@ def _yarn(inv_freq: torch.Tensor, theta: float, dim: int, s: Scaling) -> tuple[t
         high += 0.001  # transformers' guard against a zero-width ramp
     ramp = ((torch.arange(dim // 2, dtype=torch.float64, device="cpu") - low) / (high - low)).clamp(0, 1)
     extrapolate = 1 - ramp
-    return inv_freq / s.factor * (1 - extrapolate) + inv_freq * extrapolate, attention_factor
+    return inv_freq / s.factor * (1 - extrapolate) + inv_freq * extrapolate, attention_factor  # type: ignore[operator]
 
 
 def _number(value: Any) -> str:

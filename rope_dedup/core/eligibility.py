@@ -77,7 +77,7 @@ def why_not_shareable(tensor: torch.Tensor, written: str | None, persistent: boo
     if persistent and not share_persistent:
         return Refusal(SkipReason.PERSISTENT)
     if is_dtensor(tensor):
-        sharded = [p for p in tensor.placements if not p.is_replicate()]
+        sharded = [p for p in tensor.placements if not p.is_replicate()]  # type: ignore[attr-defined]
         if sharded:
             return Refusal(SkipReason.SHARDED, ", ".join(map(str, sharded)))
         tensor = local(tensor)

@@ -98,7 +98,7 @@ class _Traversal:
         """After ``_apply`` ran on ``module``: which members now read their group's converted table."""
         for name, member in before:
             done = self.converted.get(id(member.group))
-            tensor = module._parameters.get(name)
+            tensor: torch.Tensor | None = module._parameters.get(name)
             if tensor is None:
                 tensor = module._buffers.get(name)
             if done is None or done.unchanged or tensor is None:

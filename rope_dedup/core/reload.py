@@ -43,8 +43,10 @@ def guard_reload(module: torch.nn.Module, store: CanonicalStore, tensor: torch.T
         if store is None or local_metadata.get("assign_to_params_buffers", False):
             return
         for name, tensor in [*module._buffers.items(), *module._parameters.items()]:
+            if tensor is None:
+                continue
             incoming = state_dict.get(prefix + name)
-            member = store.member_name(tensor) if tensor is not None else None
+            member = store.member_name(tensor)
             if member is None or not isinstance(incoming, torch.Tensor) or incoming.shape != tensor.shape:
                 continue
             if not same_values(incoming.detach().to(device=tensor.device, dtype=tensor.dtype), tensor):

@@ -15,8 +15,8 @@ import torch
 
 from rope_dedup.core.eligibility import Refusal, SkipReason
 from rope_dedup.tables.keys import RopeKey
-from rope_dedup.core.store import base_name
-from rope_dedup.core.text import format_bytes, format_table
+from rope_dedup.core.store import CanonicalStore, base_name
+from rope_dedup.core.text import format_bytes, wrap
 from rope_dedup.tensors import describe_placement, module_tensors, storage_nbytes
 
 
@@ -96,7 +96,7 @@ class DedupReport:
         return [g for g in self.groups if g.conflict_with is not None]
 
     @classmethod
-    def from_stores(cls, stores: Iterable, model: torch.nn.Module | None = None, errors: Sequence[str] = (),
+    def from_stores(cls, stores: Iterable[CanonicalStore], model: torch.nn.Module | None = None, errors: Sequence[str] = (),
                     pass_seconds: Mapping[str, float] | None = None) -> DedupReport:
         """One report over several stores (a backend keeps one per storage policy its compiles asked for)."""
         parts = [cls.from_store(store, model) for store in stores]
@@ -104,7 +104,7 @@ class DedupReport:
                    [d for p in parts for d in p.departed], dict(pass_seconds or {}))
 
     @classmethod
-    def from_store(cls, store, model: torch.nn.Module | None = None, errors: Sequence[str] = ()) -> DedupReport:
+    def from_store(cls, store: CanonicalStore, model: torch.nn.Module | None = None, errors: Sequence[str] = ()) -> DedupReport:
         """Snapshot a :class:`~rope_dedup.core.store.CanonicalStore`'s live groups and its skip list.
 
         With ``model``, members and skipped tensors are named by their full path in it: under regional
@@ -123,7 +123,7 @@ class DedupReport:
         for group, live, storage_bytes in snapshot:
             groups.append(Group(
                 key=group.key,
-                members=[path_in_model(m.ident, lambda t, m=m: store.member(t) is m) or m.name for m in live],
+                members=[path_in_model(m.ident, _is_member(store, m)) or m.name for m in live],
                 table_bytes=math.prod(group.shape) * group.key.dtype.itemsize,
                 bytes_before=sum(m.original_nbytes for m in live),
                 bytes_after=storage_bytes,  # one storage per group; in a dry run, what sharing would leave
@@ -140,17 +140,17 @@ class DedupReport:
         return cls(groups, skipped, list(errors), _departed(store, shared, tensors))
 
     def __str__(self) -> str:
+        """The report as plain text no wider than :data:`~rope_dedup.core.text.TEXT_WIDTH` columns: per
+        distinct table its key, then its tensors, bytes and members; then errors, skips and departures."""
         lines = [f"rope_dedup: {len(self.groups)} distinct RoPE table(s), "
                  f"{sum(len(g.members) for g in self.groups)} tensor(s); "
                  f"{format_bytes(self.bytes_before)} -> {format_bytes(self.bytes_after)} "
                  f"(saved {format_bytes(self.bytes_saved)})"]
-        if self.groups:
-            rows = [("key", "tensors", "before", "after", "members")]
-            for g in self.groups:
-                members = ", ".join(g.members[:3]) + (f", ... (+{len(g.members) - 3})" if len(g.members) > 3 else "")
-                rows.append((str(g.key), str(len(g.members)), format_bytes(g.bytes_before),
-                             format_bytes(g.bytes_after), members))
-            lines += format_table(rows)
+        for g in self.groups:
+            members = ", ".join(g.members[:3]) + (f", ... (+{len(g.members) - 3})" if len(g.members) > 3 else "")
+            lines += [f"  {g.key}",
+                      f"    {len(g.members)} tensor(s), {format_bytes(g.bytes_before)} -> "
+                      f"{format_bytes(g.bytes_after)}: {members}"]
         for error in self.errors:
             lines.append(f"ERROR: {error}")
         for g in self.conflicts:
@@ -169,7 +169,7 @@ class DedupReport:
             lines.append(f"freed after sharing {len(self.departed)}:")
             replaced = [d for d in self.departed if d.replaced]
             if replaced:
-                replacement = format_bytes(sum(d.replacement_bytes for d in replaced))
+                replacement = format_bytes(sum(d.replacement_bytes or 0 for d in replaced))
                 lines.append(f"  replaced by a tensor with its own storage ({replacement} in all), shared again when "
                              f"a compiled graph reads it, not while dynamo runs the frame eagerly (past its "
                              f"recompile limit): {_listed([d.path for d in replaced])}")
@@ -184,14 +184,18 @@ class DedupReport:
             lines.append("no RoPE table found")
         if self.pass_seconds:
             lines.append("pass time: " + ", ".join(f"{name} {s:.3f} s" for name, s in self.pass_seconds.items()))
-        return "\n".join(lines)
+        return "\n".join(part for line in lines for part in wrap(line))
+
+
+def _is_member(store: CanonicalStore, member: object) -> Callable[[torch.Tensor], bool]:
+    return lambda tensor: store.member(tensor) is member
 
 
 def _listed(paths: list[str]) -> str:
     return ", ".join(paths[:4]) + (f", ... (+{len(paths) - 4})" if len(paths) > 4 else "")
 
 
-def _departed(store, shared: set[str], tensors: dict[int, tuple[str, torch.Tensor]]) -> list[Departed]:
+def _departed(store: CanonicalStore, shared: set[str], tensors: dict[int, tuple[str, torch.Tensor]]) -> list[Departed]:
     """The store's freed members whose path (store name, or full path) has no shared tensor now: a shared
     replacement closes the story."""
     at = {path: tensor for path, tensor in tensors.values()}

@@ -195,11 +195,11 @@ class CanonicalStore:
             log.info("rope_dedup: %s is written by a graph compiled now; it gets its own storage back", name)
             self.release(tensor)
         if plan.action is Action.SKIP:
-            self._skip(name, plan.refusal, tensor)
+            self._skip(name, plan.refusal, tensor)  # type: ignore[arg-type]
         elif plan.action is Action.JOIN:
-            self._alias(tensor, plan.group, self._unique_name(name), owner)
+            self._alias(tensor, plan.group, self._unique_name(name), owner)  # type: ignore[arg-type]
         elif plan.action is Action.NEW:
-            self._new_group(tensor, plan.key, self._unique_name(name), owner)
+            self._new_group(tensor, plan.key, self._unique_name(name), owner)  # type: ignore[arg-type]
 
     def _canonical(self, group: _Group) -> torch.Tensor | None:
         """The group's table as a tensor of its own (nothing else holds it), checked before anything reads it:
@@ -278,7 +278,7 @@ class CanonicalStore:
             self._forget(stale, departed=self.member(tensor) is not stale)
         mine = local(tensor)
         member = _Member(id(tensor), tensor._cdata, name, original_nbytes, memory_ptr(tensor),
-                         StorageWeakRef(mine.untyped_storage()), mine.storage_offset(), group)
+                         StorageWeakRef(mine.untyped_storage()), int(mine.storage_offset()), group)
         if owner is not None:
             member.owner, member.attr = weakref.ref(owner[0]), owner[1]
         group.members[member.ident] = member
@@ -321,7 +321,9 @@ class CanonicalStore:
     def _rekey(self, group: _Group) -> None:
         """A group moved while its content was not a RoPE table (to_empty): key it once it is one again."""
         canonical = self._canonical(group)
-        found = recognize_rope_table(canonical) if canonical is not None else None
+        if canonical is None:
+            return
+        found = recognize_rope_table(canonical)
         if isinstance(found, RopeTable):
             group.key, group.pending = infer_key(found, canonical), False
 
@@ -397,8 +399,8 @@ class CanonicalStore:
                 return
             table = recognize_rope_table(local(converted))
             pending = not isinstance(table, RopeTable)
-            key = replace(group.key, dtype=converted.dtype, device=local(converted).device) if pending \
-                else infer_key(table, local(converted))
+            key = infer_key(table, local(converted)) if isinstance(table, RopeTable) \
+                else replace(group.key, dtype=converted.dtype, device=local(converted).device)
             nbytes = storage_nbytes(converted)
             new: _Group | None = None
             for member, module, attr, tensor in moved:
@@ -459,7 +461,7 @@ def _held(module: torch.nn.Module, attr: str) -> torch.Tensor | None:
 
 def _still_held(member: _Member) -> bool:
     """Whether the member's owning module (where known) still holds it, reading the memory it joined with."""
-    if member.owner is None:
+    if member.owner is None or member.attr is None:
         return True
     module = member.owner()
     tensor = _held(module, member.attr) if module is not None else None
@@ -489,4 +491,4 @@ def _share_storage(mine: torch.Tensor, canonical: torch.Tensor) -> None:
 
 def _own_storage(mine: torch.Tensor) -> None:
     with torch.no_grad():
-        mine.set_(mine.clone(memory_format=torch.preserve_format))
+        mine.set_(mine.clone(memory_format=torch.preserve_format))  # type: ignore[call-overload]

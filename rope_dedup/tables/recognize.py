@@ -99,7 +99,7 @@ def recognize_rope_table(tensor: torch.Tensor) -> RopeTable | NotRope:
     # first forward): RoPE rows followed by rows never written. No RoPE row after position 0 is all zeros.
     if bool(x[-1].ne(0).any()):  # the last row is written: the whole table is
         return _recognize(x, tensor)
-    written = torch.cat([x[rows].reshape(rows.stop - rows.start, -1).ne(0).any(dim=1) for rows in _row_chunks(x, x)])
+    written = torch.cat([x[rows].reshape(rows.stop - rows.start, -1).ne(0).any(dim=1) for rows in _row_chunks(x, x)])  # type: ignore[union-attr]
     filled = int(written.nonzero().max()) + 1 if bool(written.any()) else 0
     if filled < 2:
         return NotRope("all zeros after position 0: a cache not filled yet")
@@ -168,7 +168,7 @@ def _recognize(x: torch.Tensor, tensor: torch.Tensor) -> RopeTable | NotRope:
         names = (_kind(first, eps, floor), _kind(second, eps, floor))
         if set(names) != {Part.COS, Part.SIN}:
             return NotRope("last dim of 2 does not stack a cos and a sin table")
-        return _from_parts(Layout.stacked(*names), {names[0]: first, names[1]: second}, eps)
+        return _from_parts(Layout.stacked(*names), {names[0]: first, names[1]: second}, eps)  # type: ignore[arg-type, dict-item]
     if x.dim() == 2:
         return _from_columns(x, eps, floor)
     return NotRope(f"shape {tuple(tensor.shape)} is not a rotary table layout")
@@ -233,7 +233,7 @@ def _from_columns(x: torch.Tensor, eps: float, floor: float) -> RopeTable | NotR
         if set(names) == {Part.COS, Part.SIN}:
             (mode_l, left), (mode_r, right) = _repeat_mode(left), _repeat_mode(right)
             if mode_l == mode_r:
-                return _from_parts(Layout.columns(*names, repeat=mode_l), {names[0]: left, names[1]: right}, eps)
+                return _from_parts(Layout.columns(*names, repeat=mode_l), {names[0]: left, names[1]: right}, eps)  # type: ignore[arg-type, dict-item]
     # Not two blocks side by side: the reason the whole table failed is the one to report.
     return found
 
@@ -254,10 +254,10 @@ def _from_parts(layout: Layout, parts: dict[Part, torch.Tensor], eps: float) -> 
     elif cos is not None:
         amplitude = _f64(cos[0]).mean().item()
         # acos loses precision near 0 and pi: noise grows like sqrt(eps) there.
-        noise = 4 * eps if sin is not None else math.sqrt(8 * eps)
+        noise = 4 * eps if sin is not None else math.sqrt(8 * eps)  # type: ignore[assignment]
     else:
-        amplitude = _sin_amplitude(sin)
-        noise = math.sqrt(8 * eps)
+        amplitude = _sin_amplitude(sin)  # type: ignore[arg-type]
+        noise = math.sqrt(8 * eps)  # type: ignore[assignment]
     if not amplitude > 0:
         return NotRope("non-positive amplitude")
     freqs = _measure_freqs(cos, sin, angle, amplitude, eps)
@@ -374,7 +374,7 @@ def _measure_freqs(cos, sin, angle, amplitude: float, eps: float) -> torch.Tenso
         # Keep the earlier estimate where this row knows the frequency worse (a lone cos near 0 or pi): taking
         # it anyway can throw away a good estimate just before the last row.
         better = row_err / p < err
-        freqs = torch.where(better, best / p, freqs)
+        freqs = torch.where(better, best / p, freqs)  # type: ignore[operator]
         err = torch.where(better, row_err / p, err)
     return freqs
 

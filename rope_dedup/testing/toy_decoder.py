@@ -106,6 +106,20 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 class Rope(nn.Module):
     """Applies rotary embedding to ``x`` of shape (batch, heads, seq, head_dim) from a cached table."""
 
+    # The buffers a layout registers (nn.Module serves them through __getattr__), typed for checkers.
+    cos: torch.Tensor
+    sin: torch.Tensor
+    cos_cached: torch.Tensor
+    sin_cached: torch.Tensor
+    rope_cache: torch.Tensor
+    freqs_cis: torch.Tensor
+    cache: torch.Tensor
+    embed_positions: torch.Tensor
+    inv_freq: torch.Tensor
+    freqs: torch.Tensor
+    filled_freqs: torch.Tensor
+    cached_freqs: torch.Tensor
+
     def __init__(self, spec: TableRecipe, head_dim: int, device: torch.device | str | None = None) -> None:
         super().__init__()
         self.spec = spec

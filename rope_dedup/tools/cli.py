@@ -18,11 +18,13 @@ from typing import Any, NoReturn, Sequence
 
 import torch
 
+from rope_dedup.core.text import TEXT_WIDTH, Table
 from rope_dedup.tools import profile as prof
 from rope_dedup.tools.factories import FactoryError, NoInputs, load_factory, model_and_inputs, model_of
-from rope_dedup.core.text import format_bytes
+from rope_dedup.tools.render import markdown, print_table, profile_notes, profile_tables
 
 USAGE_ERROR, RUN_ERROR = 2, 1
+FORMATS = ("text", "json", "markdown")
 
 
 class BadInput(Exception):
@@ -91,6 +93,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=_positive_int, help="intra-op threads per child (default 1)")
     p.add_argument("--timeout", type=float, help="seconds allowed per mode")
     p.add_argument("--json", type=Path, metavar="PATH", help="write every figure as JSON")
+    _format_option(p)
     p.add_argument("--plot", type=Path, metavar="PATH.png", help="write a bar chart of memory by mode")
     a = commands.add_parser(
         "audit", help="dry run: the RoPE tables each layer holds, which would share, what is skipped and why",
@@ -108,7 +111,14 @@ def _parser() -> argparse.ArgumentParser:
                         "theta=5e5[,dim=64][,scaling=TYPE:PARAMS][,attention_factor=1.2], scaling one of "
                         "linear:FACTOR, dynamic:FACTOR:ORIGINAL_MAX, llama3:FACTOR:LOW:HIGH:ORIGINAL_MAX, "
                         "yarn:FACTOR:ORIGINAL_MAX[:BETA_FAST:BETA_SLOW]; exit 1 if any layer differs")
+    _format_option(a)
     return parser
+
+
+def _format_option(command: argparse.ArgumentParser) -> None:
+    command.add_argument("--format", choices=FORMATS, default="text",
+                         help="text: tables for the terminal (default); json: every figure on stdout, for CI; "
+                              "markdown: tables for a PR comment")
 
 
 def _positive_int(text: str) -> int:
@@ -132,8 +142,8 @@ def _consoles():
         from rich.console import Console
     except ImportError:
         raise BadInput("the command line needs rich: pip install 'rope-dedup[demo]'") from None
-    # Piped or redirected output gets rich's 80 columns unless told otherwise: too narrow for the tables.
-    width = None if sys.stdout.isatty() or "COLUMNS" in os.environ else 140
+    # Piped or redirected output (a CI log) gets rich's 80 columns unless told otherwise; tables split to fit.
+    width = None if sys.stdout.isatty() or "COLUMNS" in os.environ else TEXT_WIDTH
     return Console(width=width), Console(stderr=True)
 
 
@@ -149,11 +159,19 @@ def _profile(args: argparse.Namespace, console, error_console) -> int:
             raise BadInput("--plot needs matplotlib: pip install 'rope-dedup[demo]'") from None
     if args.json is not None:
         _check_writable(args.json, "--json")
-    console.print(prof.describe_config(asdict(config)), style="dim")
+    described = prof.describe_config(asdict(config))
+    if args.format == "text":
+        console.print(described, style="dim")
     result = _run_with_progress(config, args.timeout, error_console)
     result["targets"] = [dict(zip(("target", "measured", "limit", "comparison", "met"), row))
                          for row in prof.check_targets(result["summary"])]
-    _print_profile(result, console)
+    if args.format == "json":  # stdout is the JSON alone; what else is said goes to stderr
+        print(json.dumps(result, indent=2))
+        console = error_console
+    elif args.format == "markdown":
+        _print_markdown([described, ""], profile_tables(result), profile_notes(result))
+    else:
+        _print_profile(result, console)
     if args.json is not None:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
         console.print(f"wrote {args.json}")
@@ -231,88 +249,20 @@ def _run_with_progress(config: prof.ProfileConfig, timeout: float | None, consol
 
 
 def _print_profile(result: dict[str, Any], console) -> None:
-    ok = {mode: r for mode, r in result["modes"].items() if "error" not in r}
-    if not ok:
-        return
-    inner = result["config"]["inner"]
-    console.print(_memory_table(ok, inner, cuda=result["config"]["device"] == "cuda"))
-    console.print(_time_table(ok, inner, train=result["config"].get("train", False)))
-    summary = result["summary"]
-    if result["targets"]:
-        console.print(_targets_table(result["targets"], summary, inner))
-    for mode, r in ok.items():
-        for error in r["pass_errors"] or ():
-            console.print(f"WARNING {prof.mode_label(mode, inner)}: {error}", style="red", markup=False, highlight=False)
-    if "peak_rss_steps_saved" in summary:
-        saved = summary["peak_rss_steps_saved"]
-        console.print(f"rope_dedup vs {inner} alone: RoPE storage {format_bytes(summary['rope_bytes_saved'])} less; "
-                      f"peak RSS while running {format_bytes(abs(saved))} {'less' if saved >= 0 else 'more'}",
-                      highlight=False)
+    for table in profile_tables(result):
+        print_table(console, table, flag_style="red", boxed=False)
+    for line in profile_notes(result):
+        console.print(line, style="red" if line.startswith("WARNING") else None, markup=False, highlight=False)
 
 
-def _table(title: str, columns: Sequence[str], caption: str | None = None):
-    from rich import box
-    from rich.table import Table
-
-    table = Table(title=title, caption=caption, title_justify="left", caption_justify="left", box=box.SIMPLE_HEAD)
-    for i, name in enumerate(columns):
-        table.add_column(name, justify="left" if i == 0 else "right", no_wrap=True)
-    return table
-
-
-def _memory_table(ok: dict[str, dict], inner: str, cuda: bool):
-    ideal = next(iter(ok.values()))
-    table = _table(f"Memory (unique storages; compiled modes use {inner})",
-                   ("mode", "RoPE tensors→storages", "RoPE bytes", "÷ ideal", "buffers", "build peak",
-                    "1st call +", "running peak", "process peak",
-                    *(("CUDA alloc", "CUDA max running") if cuda else ()), "max |Δ| vs eager"),
-                   caption=f"ideal, each distinct table stored once: {ideal['ideal_storages']} storage(s), "
-                           f"{format_bytes(ideal['ideal_bytes'])}. Peaks are RSS. Build: while the model is built; "
-                           f"1st call +: how far the first call (compile included) raised RSS above the built model; "
-                           f"running: from the end of the first call to the last step; process: the whole child.")
-    for mode, r in ok.items():
-        table.add_row(prof.mode_label(mode, inner), f"{r['rope_tables']} → {r['rope_storages']}",
-                      format_bytes(r["rope_bytes"]), f"{r['rope_bytes'] / r['ideal_bytes']:.2f}",
-                      format_bytes(r["buffer_bytes"]), _bytes_or_dash(r["peak_rss_build"]),
-                      _bytes_or_dash(prof.first_call_growth(r)), _bytes_or_dash(r["peak_rss_steps"]),
-                      format_bytes(r["peak_rss_process"]),
-                      *((format_bytes(r["cuda_allocated"]), format_bytes(r["cuda_max_allocated_steps"])) if cuda else ()),
-                      f"{r['max_abs_err_vs_eager']:.1e}")
-    return table
-
-
-def _time_table(ok: dict[str, dict], inner: str, train: bool):
-    step = "forward, backward and AdamW step" if train else "one forward under no_grad"
-    table = _table("Time", ("mode", "first call s", "step ms", "fastest step ms", "pass s", "intern µs/call",
-                            "calls/step", "intern ÷ step"),
-                   caption=f"first call includes compiling; step: {step}, median; intern: the per-call storage "
-                           f"check of the compiled callable (InterningCallable.intern_inputs)")
-    for mode, r in ok.items():
-        intern = r["intern_s_per_call"] is not None
-        table.add_row(prof.mode_label(mode, inner), "-" if mode in prof.EAGER_MODES else f"{r['first_call_s']:.2f}",
-                      f"{r['step_s'] * 1e3:.2f}", f"{r['step_s_min'] * 1e3:.2f}",
-                      "-" if r["pass_s"] is None else f"{r['pass_s']:.3f}",
-                      f"{r['intern_s_per_call'] * 1e6:.2f}" if intern else "-",
-                      str(r["intern_calls_per_step"]) if intern else "-",
-                      f"{r['intern_overhead']:.2%}" if intern else "-")
-    return table
-
-
-def _targets_table(targets: list[dict], summary: dict[str, Any], inner: str):
-    table = _table(f"Ratios (rope_dedup over {inner} alone) and targets", ("", "measured", "target", ""))
-    for t in targets:
-        percent = t["limit"] < 1
-        shown = f"{t['measured']:.2%}" if percent else f"{t['measured']:.2f}"
-        limit = f"{t['comparison']} {t['limit']:.0%}" if percent else f"{t['comparison']} {t['limit']:.2f}"
-        table.add_row(t["target"], shown, limit, "[green]met" if t["met"] else "[red]not met")
-    if "step_ratio_min" in summary:
-        table.add_row("step time rope_dedup / alone, fastest steps", f"{summary['step_ratio_min']:.2f}", "", "")
-        table.add_row("first call (compile) rope_dedup / alone", f"{summary['first_call_ratio']:.2f}", "", "")
-    return table
-
-
-def _bytes_or_dash(value: int | None) -> str:
-    return "-" if value is None else format_bytes(value)
+def _print_markdown(head: list[str], tables: list[Table], notes: list[str]) -> None:
+    """Tables as markdown, then the notes in a fenced block (their indents carry meaning)."""
+    lines = list(head)
+    for table in tables:
+        lines += markdown(table)
+    if notes:
+        lines += ["```text", *notes, "```"]
+    print("\n".join(lines).rstrip("\n"))
 
 
 # -- audit --------------------------------------------------------------------------------------------
@@ -347,7 +297,15 @@ def _audit(args: argparse.Namespace, console) -> int:
     except Exception as error:
         print(f"rope-dedup audit: error: the dry run failed: {prof.describe_error(error)[0]}", file=sys.stderr)
         return RUN_ERROR
-    _print_explanation(explanation, console)
+    if args.format == "json":
+        print(json.dumps(explanation.to_dict(), indent=2))
+    elif args.format == "markdown":
+        tables = [*explanation.tables(), *filter(None, [explanation.mismatch_table()])]
+        notes = explanation.notes() + ([_all_expected(explanation)] if explanation.judged and not explanation.mismatches
+                                       else [])
+        _print_markdown([explanation.headline(), ""], tables, notes)
+    else:
+        _print_explanation(explanation, console)
     return RUN_ERROR if explanation.mismatches else 0
 
 
@@ -361,52 +319,17 @@ def _bad_factory():
 
 
 def _print_explanation(explanation, console) -> None:
-    from rich.table import Table
-
-    from rope_dedup.audit.check import MISMATCH_COLUMNS
-    from rope_dedup.audit.explain import COLUMNS
-
     console.print(explanation.headline(), highlight=False)
-    # A caption is the legend of the "*" mark: shown only under a table that marks a row. (The groups are
-    # spelled out in the notes below either way.)
-    owned = explanation.rows()
-    if owned:
-        table = Table(*COLUMNS, title="tables each layer holds", title_justify="left",
-                      caption="* key differs from most layers; one group letter = identical content"
-                      if _marks_a_row(owned) else None)
-        _add_rows(table, owned)
-        console.print(table)
-    applied = explanation.applied_rows()
-    if applied:
-        caption = None
-        if _marks_a_row(applied):
-            caption = ("* differs from the expectation (mismatches below)" if explanation.judged
-                       else "* differs from most layers")
-        title = "what each held table encodes" if explanation.static else "tables each layer applies"
-        table = Table(title=title, title_justify="left", caption=caption)
-        for column in explanation.applied_columns():  # long sources and specs fold rather than end in "…"
-            table.add_column(column, overflow="fold")
-        _add_rows(table, applied)
-        console.print(table)
+    for table in explanation.tables():
+        print_table(console, table)
     for line in explanation.notes():
         console.print(line, style="bold yellow" if line.startswith("* ") else None, markup=False, highlight=False)
-    if explanation.mismatches:
-        title = f"{len(explanation.mismatches)} mismatch(es)" + (" with the expectation" if explanation.judged else "")
-        table = Table(*MISMATCH_COLUMNS, title=title, title_justify="left", title_style="bold red")
-        for mismatch in explanation.mismatches:
-            table.add_row(*mismatch.cells(), style="red")
-        console.print(table)
+    mismatches = explanation.mismatch_table()
+    if mismatches is not None:
+        print_table(console, mismatches, flag_style="red")
     elif explanation.judged:
-        console.print("every table holds the expected RoPE" if explanation.static
-                      else "every layer applies the expected RoPE", style="green", highlight=False)
+        console.print(_all_expected(explanation), style="green", highlight=False)
 
 
-def _marks_a_row(rows: list[tuple[bool, tuple[str, ...]]]) -> bool:
-    return any(flagged for flagged, _ in rows)
-
-
-def _add_rows(table, rows: list[tuple[bool, tuple[str, ...]]]) -> None:
-    for flagged, cells in rows:
-        if cells[0] and table.row_count:  # a rule between layers
-            table.add_section()
-        table.add_row(*cells, style="bold yellow" if flagged else None)
+def _all_expected(explanation) -> str:
+    return "every table holds the expected RoPE" if explanation.static else "every layer applies the expected RoPE"

@@ -89,6 +89,8 @@ def _import_file(path: Path):
         raise FactoryError(f"no such file: {path}")
     sys.path.insert(0, str(path.resolve().parent))
     module_spec = importlib.util.spec_from_file_location(path.stem, path)
+    if module_spec is None or module_spec.loader is None:
+        raise FactoryError(f"cannot import {path}: not a Python file")
     module = importlib.util.module_from_spec(module_spec)
     sys.modules[path.stem] = module
     module_spec.loader.exec_module(module)
