@@ -7,10 +7,11 @@ accelerate (``ACCELERATE_DYNAMO_BACKEND``), whose ``TorchDynamoPlugin`` reads it
 training starts. Sharing needs no backend: :func:`rope_dedup.share` re-points each duplicate table at
 one storage, and ``inductor`` (or any backend) then compiles the model as it stands.
 
-Why a callback rather than ``share(model)`` before ``Trainer(...)``: the Trainer moves the model to its
-device (``model.to("cuda")``), which copies every buffer on its own and so undoes sharing done before.
-``on_train_begin`` runs after that move and before the first forward, so the tables are shared on the
-device they train on and before anything compiles. Import this module only with transformers installed.
+Why a callback: ``on_train_begin`` sees the model the Trainer trains (a ``model_init`` one included), after
+the Trainer has placed it on its device and before the first forward, so the tables are shared where they
+train and before anything compiles, with no code around the Trainer. ``share(model)`` before
+``Trainer(...)`` works as well (the Trainer's move keeps shared tables shared). Import this module only with
+transformers installed.
 """
 
 from __future__ import annotations
