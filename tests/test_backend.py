@@ -248,6 +248,37 @@ def test_interning_skips_known_tensors_cheaply() -> None:
     assert counters["rope_dedup"]["interned_at_runtime"] == interned
 
 
+def _dynamo_switches_per_call(model: torch.nn.Module, tokens: torch.Tensor) -> int:
+    """How many times one call enters dynamo's ``disable`` wrapper (``eval_frame._fn``)."""
+    entered = 0
+
+    def profile(frame, event, arg) -> None:
+        nonlocal entered
+        code = frame.f_code
+        if event == "call" and code.co_name == "_fn" and code.co_filename.endswith("eval_frame.py"):
+            entered += 1
+
+    sys.setprofile(profile)
+    try:
+        model(tokens)
+    finally:
+        sys.setprofile(None)
+    return entered
+
+
+def test_the_interning_wrapper_adds_no_second_dynamo_switch() -> None:
+    """Dynamo wraps what a backend returns in ``disable``, unwrapping a graph the inner backend wrapped
+    already; the callable around it must not make that two wrappers per call (a cost on every block)."""
+    tokens = torch.randint(0, 64, (1, 8))
+    switches = []
+    for backend in ("inductor", RopeDedupBackend("inductor")):
+        torch._dynamo.reset()
+        model = compile_model(build(homogeneous(2)), backend, regional=True)
+        model(tokens)
+        switches.append(_dynamo_switches_per_call(model, tokens))
+    assert switches[0] > 0 and switches[1] == switches[0]
+
+
 def test_mixed_dtype_tables_never_merge_across_dtypes() -> None:
     model = build([TableRecipe(), replace(TableRecipe(), dtype=torch.bfloat16)] * 2)
     backend = RopeDedupBackend("eager")

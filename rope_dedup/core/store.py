@@ -28,7 +28,7 @@ import logging
 import threading
 import weakref
 from dataclasses import dataclass, field, replace
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -57,8 +57,23 @@ class _Member:
     storage: StorageWeakRef  # its storage when it joined (the canonical one, except in a dry run)
     offset: int  # its storage_offset then
     group: _Group
+    plain: bool  # a tensor or parameter, whose own data_ptr is its memory (decided once, not per call)
     owner: weakref.ref | None = None  # the module holding it, where known (modules may be weakly referenced)
     attr: str | None = None  # its name in that module
+    storage_cdata: int = field(init=False)  # the weak reference's address, read once for unshared()
+
+    def __post_init__(self) -> None:
+        self.storage_cdata = self.storage.cdata
+
+
+class SharedMarks(NamedTuple):
+    """Tensors found shared (see :meth:`CanonicalStore.shared_marks`): they still are while the store's
+    generation is this one, the same tensors (ids, impls) read the same memory, and no storage expired."""
+
+    generation: int
+    impls: tuple[int, ...]  # each tensor's _cdata
+    ptrs: tuple[int, ...]  # each tensor's data_ptr
+    storages: tuple[int, ...]  # the distinct storages they joined (weak addresses)
 
 
 @dataclass(eq=False)
@@ -107,6 +122,8 @@ class CanonicalStore:
         self._groups: list[_Group] = []
         self._members: dict[int, _Member] = {}  # id(tensor) -> member (checked against the tensor's impl)
         self._ptrs: dict[int, _Group] = {}  # memory_ptr of a member -> its group
+        # Bumped whenever a member joins or leaves: SharedMarks of an earlier generation say nothing.
+        self.generation = 0
         self._excluded: dict[int, tuple[TensorMark, Refusal]] = {}  # id -> never share again (unshare())
         self.skipped: dict[str, Refusal] = {}
         self._skipped_marks: dict[str, dict[tuple[int, int], TensorMark]] = {}  # name -> tensors skipped under it
@@ -132,14 +149,27 @@ class CanonicalStore:
         are reused by the next tensor made, and with the storage alive no other tensor can have that memory).
         Memory alone does not say either: a tensor that shared with members since forgotten points there too."""
         members, expired = self._members, _expired
-        found = []
+        found: list[int] = []
         for position in positions:
             tensor = tensors[position]
             member = members.get(id(tensor))
-            if member is None or member.impl != tensor._cdata or expired(member.storage.cdata) or member.ptr != (
-                    tensor.data_ptr() if type(tensor) in _PLAIN else memory_ptr(tensor)):
+            # Once id and impl match, this is the member's own object: its type is the member's.
+            if member is None or member.impl != tensor._cdata or expired(member.storage_cdata) or member.ptr != (
+                    tensor.data_ptr() if member.plain else memory_ptr(tensor)):
                 found.append(position)
         return found
+
+    def shared_marks(self, tensors: Sequence[torch.Tensor]) -> SharedMarks | None:
+        """What makes :meth:`unshared` empty for ``tensors``, for a caller to compare on later calls without
+        the store's tables: ``None`` unless each is a plain shared member (a DTensor's memory is not its own
+        data_ptr)."""
+        if self.unshared(tensors, range(len(tensors))):
+            return None
+        members = [self._members[id(tensor)] for tensor in tensors]
+        if not all(m.plain for m in members):
+            return None
+        return SharedMarks(self.generation, tuple(m.impl for m in members), tuple(m.ptr for m in members),
+                           tuple({m.storage_cdata: None for m in members}))
 
     def member(self, tensor: torch.Tensor) -> _Member | None:
         """The record of ``tensor`` if it is a member of a group (this very tensor, not an equal one).
@@ -278,11 +308,13 @@ class CanonicalStore:
             self._forget(stale, departed=self.member(tensor) is not stale)
         mine = local(tensor)
         member = _Member(id(tensor), tensor._cdata, name, original_nbytes, memory_ptr(tensor),
-                         StorageWeakRef(mine.untyped_storage()), int(mine.storage_offset()), group)
+                         StorageWeakRef(mine.untyped_storage()), int(mine.storage_offset()), group,
+                         type(tensor) in _PLAIN)
         if owner is not None:
             member.owner, member.attr = weakref.ref(owner[0]), owner[1]
         group.members[member.ident] = member
         self._members[member.ident] = member
+        self.generation += 1
         self._ptrs[member.ptr] = group
         self.skipped.pop(name, None)
         self._skipped_marks.pop(name, None)
@@ -294,6 +326,7 @@ class CanonicalStore:
         del group.members[member.ident]
         if self._members.get(member.ident) is member:
             del self._members[member.ident]
+        self.generation += 1
         if departed:
             base = base_name(member.name)
             count, _ = self._departed.get(base, (0, group.key))

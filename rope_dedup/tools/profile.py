@@ -272,27 +272,27 @@ def training_loss(output: Any) -> torch.Tensor:
 
 
 def _interning_cost(capture: _Capture, step: Callable[[], Any]) -> tuple[float, int] | None:
-    """(seconds per call of the steady-state ``intern_inputs``, calls per step), or None if nothing interns."""
+    """(seconds per call of the steady-state ``check``, calls per step), or None if nothing interns."""
     from rope_dedup.interning import InterningCallable
 
     interning = [(fn, args) for fn, args in capture.compiled if isinstance(fn, InterningCallable)]
     if not interning:
         return None
     calls = {id(fn): 0 for fn, _ in interning}
-    for fn, _ in interning:  # every call asks the store once: count those during one step, then put it back
-        def counted(args, positions, fn=fn, original=fn._unshared):
+    for fn, _ in interning:  # every call checks its inputs once: count those during one step, then put it back
+        def counted(args, fn=fn, original=fn.check):
             calls[id(fn)] += 1
-            return original(args, positions)
-        fn._unshared = counted
+            return original(args)
+        fn.check = counted  # type: ignore[method-assign]
     try:
         step()
     finally:
         for fn, _ in interning:
-            fn._unshared = fn._store.unshared
+            del fn.check
     number = 1000
     seconds = 0.0
     for fn, args in interning:
-        runs = timeit.repeat(lambda: fn.intern_inputs(args), number=number, repeat=5)
+        runs = timeit.repeat(lambda: fn.check(args), number=number, repeat=5)
         seconds += statistics.median(runs) / number * calls[id(fn)]
     total_calls = sum(calls.values())
     return (seconds / total_calls if total_calls else 0.0), total_calls

@@ -126,7 +126,7 @@ def _time_table(ok: dict[str, dict], inner: str, train: bool) -> Table:
                  tuple(rows),
                  f"1st call: compiling included; step: {step}, median; min: the fastest step; pass: rope_dedup's "
                  f"passes and graph copy (share mode: the share() call); intern: the per-call storage check of the "
-                 f"compiled callable (InterningCallable.intern_inputs), per call; calls: intern calls per step; "
+                 f"compiled callable (InterningCallable.check), per call; calls: checks per step; "
                  f"÷ step: interning's share of the step.")
 
 
