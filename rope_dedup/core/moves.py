@@ -116,12 +116,13 @@ def _collect_before_swapping(module: torch.nn.Module) -> None:
     """``Module._apply`` swaps parameters (``torch.utils.swap_tensors``) under swap-on-conversion and always
     for DTensors, and a swap refuses a tensor with a weak reference. A compile leaves some (in dynamo's
     tracing contexts, with any backend) in reference cycles that only the garbage collector frees: collect
-    them first, where a swap will happen and a weak reference is there (rope_dedup itself holds none)."""
+    them first, where a swap will happen and a weak reference is there (rope_dedup itself holds none). One
+    collection may not be enough: objects a finalizer touched are freed only by the next one (PEP 442)."""
     params = [p for m in module.modules() for p in m._parameters.values() if p is not None]
     swaps = torch.__future__.get_swap_module_params_on_conversion() or any(
         is_traceable_wrapper_subclass(p) for p in params)
-    if swaps and any(weakref.getweakrefcount(p) for p in params):
-        gc.collect()
+    while swaps and any(weakref.getweakrefcount(p) for p in params) and gc.collect():
+        pass
 
 
 def _apply(self: torch.nn.Module, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Any:

@@ -180,7 +180,11 @@ class CanonicalStore:
         member = self._members.get(id(tensor))
         if member is None or member.impl != tensor._cdata or not has_storage(tensor):
             return None
-        return member if local(tensor).untyped_storage()._cdata == member.storage.cdata else None
+        # The same storage is not enough: one freed and regrown in place (sleep mode) reads new memory, which
+        # :meth:`unshared` already calls unshared; a member then is one no offer would share again.
+        if local(tensor).untyped_storage()._cdata != member.storage.cdata or memory_ptr(tensor) != member.ptr:
+            return None
+        return member
 
     # -- deciding and sharing -----------------------------------------------------------------------
     def offer(self, tensor: torch.Tensor, *, name: str, written: str | None = None, persistent: bool = False,
@@ -306,6 +310,8 @@ class CanonicalStore:
         stale = self._members.get(id(tensor))
         if stale is not None:  # a tensor gone since, whose id this one has now (or this one, joining again)
             self._forget(stale, departed=self.member(tensor) is not stale)
+            if group not in self._groups:  # it was the group's last member: the group lives on with this one
+                self._groups.append(group)
         mine = local(tensor)
         member = _Member(id(tensor), tensor._cdata, name, original_nbytes, memory_ptr(tensor),
                          StorageWeakRef(mine.untyped_storage()), int(mine.storage_offset()), group,
