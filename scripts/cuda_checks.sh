@@ -184,13 +184,15 @@ run_step device-suite 150 $((RESERVE_BENCH + RESERVE_PROFILE)) "$outdir/pytest.t
     env ROPE_DEDUP_TEST_DEVICE=cuda "$py" -m pytest "${pytest_args[@]}" tests
 
 # -- d. benchmarks ------------------------------------------------------------------------------------
-# 40 layers whole (the 1.48 of the first GPU run, launch-bound: 1 token) and per block at 40 and 126.
+# 40 layers whole (the 1.48 of the first GPU run, launch-bound: 1 token) and per block at 40 and 126. One
+# process per case (--processes 1): three would triple the compiles, which the budget cannot hold; a single
+# process's layout bias (a percent or two on CPU) stays in these figures.
 bench=$outdir/benchmarks.txt
 run_step step-time 120 "$RESERVE_PROFILE" "$bench" \
     "$py" examples/bench_step_time.py --device cuda --layers 40 --modes whole regional --rounds 60 \
-    --json "$outdir/step-time-cuda.json"
+    --processes 1 --json "$outdir/step-time-cuda.json"
 run_step step-time-126 60 "$RESERVE_PROFILE" "$bench" \
-    "$py" examples/bench_step_time.py --device cuda --layers 126 --modes regional --rounds 40
+    "$py" examples/bench_step_time.py --device cuda --layers 126 --modes regional --rounds 40 --processes 1
 run_step move-peak 40 "$RESERVE_PROFILE" "$bench" \
     "$py" examples/bench_move_peak.py --device cuda --layers 32 --context 131072
 

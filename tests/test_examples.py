@@ -42,7 +42,8 @@ TAKES_INNER = {name for name in EXPECTED
 # The benchmark at a size that only checks it runs (its figures come from the full run, docs/benchmarks.md).
 ARGS = {"bench_computed_rope.py": ["--layers", "2", "--context", "256", "--seq", "16", "--rounds", "2",
                                    "--warmup", "1", "--inners", "eager", "--modes", "forward"],
-        "bench_step_time.py": ["--layers", "2", "--rounds", "4", "--warmup", "1", "--inner", "eager"],
+        "bench_step_time.py": ["--layers", "2", "--rounds", "4", "--warmup", "1", "--inner", "eager",
+                               "--processes", "2"],
         "bench_move_peak.py": ["--layers", "4", "--context", "1024"]}
 
 
