@@ -179,6 +179,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.processes < 1:
         parser.error("--processes must be at least 1")
+    if args.case is not None:  # a child of measure_in_child: one process's figures, as JSON on stdout
+        print(json.dumps(measure(Case(**json.loads(args.case)), args.device, args.rounds, args.warmup, args.inner)))
+        return 0
     if args.device == "cuda" and not torch.cuda.is_available():
         print("--device cuda asked for, but CUDA is not available", file=sys.stderr)
         return 2
@@ -186,9 +189,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.realistic:
         cases.append(Case(8, False, d_model=1024, heads=16, seq=256))
     results = []
-    if args.case is not None:  # a child of measure_in_child: one process's figures, as JSON on stdout
-        print(json.dumps(measure(Case(**json.loads(args.case)), args.device, args.rounds, args.warmup, args.inner)))
-        return 0
     header = (f"{'case':<58} {args.inner + ' ms':>11} {'rope_dedup ms':>13} {'median ratio':>12} {'paired':>7}  "
               "paired per process")
     print(header)

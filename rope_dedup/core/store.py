@@ -309,9 +309,8 @@ class CanonicalStore:
                     owner: tuple[torch.nn.Module, str] | None) -> None:
         stale = self._members.get(id(tensor))
         if stale is not None:  # a tensor gone since, whose id this one has now (or this one, joining again)
-            self._forget(stale, departed=self.member(tensor) is not stale)
-            if group not in self._groups:  # it was the group's last member: the group lives on with this one
-                self._groups.append(group)
+            # If it was the group's last member, the group lives on with this one.
+            self._forget(stale, departed=self.member(tensor) is not stale, keep_group=stale.group is group)
         mine = local(tensor)
         member = _Member(id(tensor), tensor._cdata, name, original_nbytes, memory_ptr(tensor),
                          StorageWeakRef(mine.untyped_storage()), int(mine.storage_offset()), group,
@@ -325,7 +324,7 @@ class CanonicalStore:
         self.skipped.pop(name, None)
         self._skipped_marks.pop(name, None)
 
-    def _forget(self, member: _Member, departed: bool = False) -> None:
+    def _forget(self, member: _Member, departed: bool = False, keep_group: bool = False) -> None:
         group = member.group
         if group.members.get(member.ident) is not member:
             return
@@ -340,7 +339,7 @@ class CanonicalStore:
             log.info("rope_dedup: %s was freed while shared (its owner dropped or replaced it)", member.name)
         if not any(m.ptr == member.ptr for m in group.members.values()) and self._ptrs.get(member.ptr) is group:
             del self._ptrs[member.ptr]
-        if not group.members and group in self._groups:
+        if not group.members and not keep_group and group in self._groups:
             self._groups.remove(group)
 
     def _drop(self, group: _Group) -> None:
