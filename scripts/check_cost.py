@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     ours_backend, control_backend = RopeDedupBackend(args.inner), RopeDedupBackend(args.inner)
     models = {"I": bench.compiled(reference, args.inner, True), "R": bench.compiled(ours, ours_backend, True),
               "C": bench.compiled(control, control_backend, True)}
-    tokens = torch.zeros(1, 1, dtype=torch.long)
+    tokens = torch.zeros(1, 1, dtype=torch.long, device="cpu")
     times: dict[str, list[float]] = {name: [] for name in models}
     with torch.no_grad():
         expected = models["I"](tokens)
