@@ -67,14 +67,14 @@ def rewrite(gm: torch.fx.GraphModule, example_inputs: Sequence | None, context: 
     kept: list[Candidate] = []
     watched: dict[int, WatchedInput] = {}
     for candidate in candidates:
-        how = WatchedInput(candidate.path, written.get(candidate.node), candidate.persistent)
+        how = WatchedInput(candidate.path, written.get(candidate.node), candidate.persistent, candidate.reach)
         owner = (candidate.owner, candidate.path.rpartition(".")[2]) if candidate.owner is not None else None
         skipped = store.offer(candidate.tensor, name=how.path, written=how.written, persistent=how.persistent,
                               owner=owner).action is Action.SKIP
+        if not skipped and candidate.persistent:
+            skipped = not guard_reload(candidate.owner, store, candidate.tensor)
         if not skipped:
             kept.append(candidate)
-            if candidate.persistent and candidate.owner is not None:
-                guard_reload(candidate.owner, store, candidate.tensor)
         if candidate.input_index is not None and (not skipped or _worth_watching(candidate)):
             watched[candidate.input_index] = how
     if not context.redirect_inputs:

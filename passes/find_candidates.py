@@ -16,8 +16,8 @@ import torch
 import torch.fx
 
 from rope_dedup.core.eligibility import in_state_dict
-from rope_dedup.core.sources import InputOrigin, attribute_origin, placeholder_origin
-from rope_dedup.tensors import Origin, local, memory_ptr, placement
+from rope_dedup.core.sources import InputOrigin, Reach, attribute_origin, placeholder_origin
+from rope_dedup.tensors import Origin, local, memory_key, placement
 
 
 @dataclass(frozen=True)
@@ -32,6 +32,7 @@ class Candidate:
     persistent: bool = False  # saved in a state_dict: a parameter, or a persistent buffer (or one whose
     # module was not found)
     owner: torch.nn.Module | None = None  # the module holding it, where known: its load_state_dict is guarded
+    reach: Reach | None = None  # how run-time interning finds the module holding another block's tensor here
 
 
 def find_candidates(gm: torch.fx.GraphModule, example_inputs: Sequence | None = None) -> list[Candidate]:
@@ -74,7 +75,8 @@ def find_candidates(gm: torch.fx.GraphModule, example_inputs: Sequence | None = 
 def _from_origin(node: torch.fx.Node, value: torch.Tensor, where: InputOrigin, index: int | None) -> Candidate:
     """A candidate whose owner dynamo recorded (its source): path, origin and persistence come from there."""
     origin = Origin.PARAMETER if isinstance(value, torch.nn.Parameter) else where.origin
-    return Candidate(node, value, where.path, origin, index, in_state_dict(origin, where.persistent), where.owner)
+    return Candidate(node, value, where.path, origin, index, in_state_dict(origin, where.persistent), where.owner,
+                     where.reach)
 
 
 def duplicates_by_memory(kept: list[Candidate]) -> tuple[dict, list[tuple[int, ...]]]:
@@ -84,7 +86,7 @@ def duplicates_by_memory(kept: list[Candidate]) -> tuple[dict, list[tuple[int, .
     merged: dict[tuple, list[int]] = {}
     for candidate in kept:
         t = candidate.tensor
-        where = (memory_ptr(t), t.dtype, tuple(local(t).shape), tuple(local(t).stride()), placement(t))
+        where = (memory_key(t), t.dtype, tuple(local(t).shape), tuple(local(t).stride()), placement(t))
         if where not in first:
             first[where] = candidate
             merged[where] = [candidate.input_index]  # type: ignore[list-item]

@@ -7,22 +7,27 @@ pass sees only the first layer. So before each call the compiled callable checks
 the marks taken when they were last found shared) and, on first sight of a new tensor, offers it to the
 store (the slow path, once per tensor), which shares it or records why not. A graph
 that writes some of its inputs in place first gives each of them its own storage back if a graph that
-only reads them shared it since (a pointer check per written input, in writing graphs only).
+only reads them shared it since, in any store (a pointer check per written input and store, in writing
+graphs only). A tensor saved in a state_dict joins only with its module's ``load_state_dict`` guarded: the
+module is found by replaying the input's source on the calling frame.
 """
 
 from __future__ import annotations
 
 import logging
 import operator
+from dataclasses import replace
 from typing import Callable, Sequence
 
 import torch
 from torch._dynamo.eval_frame import innermost_fn
 from torch._dynamo.utils import counters
 
+from rope_dedup.core.eligibility import Refusal, SkipReason
 from rope_dedup.core.memory import TRIM_THRESHOLD_BYTES, release_if_freed
-from rope_dedup.core.sources import WatchedInput
-from rope_dedup.core.store import Action, CanonicalStore, SharedMarks
+from rope_dedup.core.reload import guard_reload
+from rope_dedup.core.sources import WatchedInput, find_owner
+from rope_dedup.core.store import Action, CanonicalStore, SharedMarks, release_shared, shared_anywhere
 from rope_dedup.tensors import TensorMark, memory_ptr
 
 log = logging.getLogger("rope_dedup")
@@ -70,7 +75,8 @@ class InterningCallable:
         self._fallback_factory = fallback
         self._fallback: Callable | None = None
         # Tensors already refused, marked (a weak reference would stop torch.utils.swap_tensors): not examined
-        # again on every call. Bounded: nothing says when one is gone.
+        # again on every call, unless a refusal for their content is followed by a write (a cache refused while
+        # zeros, filled in place later). Bounded: nothing says when one is gone.
         self._rejected: dict[int, TensorMark] = {}
         self._release_memory = release_memory
         self._reads_only = not self._written and not self._merged
@@ -119,10 +125,9 @@ class InterningCallable:
 
     def intern_inputs(self, args: Sequence) -> bool:
         """The per-call work: offer unseen watched inputs; return whether merged inputs still share memory."""
-        is_interned = self._store.is_interned
         for position in self._written:  # empty for graphs that only read: the check costs them nothing
-            if is_interned(args[position]):  # shared by a read-only graph since this one last ran
-                self._store.release(args[position])
+            if shared_anywhere(args[position]):  # shared since this graph last ran, by any store
+                release_shared(args[position])
         for position in self._unshared(args, self._positions):
             self._intern(position, args[position])
         for group in self._merged:
@@ -138,23 +143,29 @@ class InterningCallable:
             return
         how = self._watched[position]
         try:
-            offer = self._store.offer(tensor, name=how.path, written=how.written, persistent=how.persistent)
+            owner = find_owner(how.reach, tensor) if how.reach is not None else None
+            offer = self._store.offer(tensor, name=how.path, written=how.written, persistent=how.persistent,
+                                      owner=owner)
+            if offer.action is not Action.SKIP and how.persistent and \
+                    not guard_reload(owner[0] if owner is not None else None, self._store, tensor):
+                offer = replace(offer, action=Action.SKIP, refusal=Refusal(SkipReason.UNGUARDED))
         except Exception as error:  # never let bookkeeping break a forward pass
             log.warning("rope_dedup: run-time interning of %s failed, left unshared: %r", how.path, error)
             counters["rope_dedup"]["intern_errors"] += 1
             self._reject(tensor)
             return
         if offer.action is Action.SKIP:
-            self._reject(tensor)
+            self._reject(tensor, offer.refusal)
             return
         counters["rope_dedup"]["interned_at_runtime"] += 1
         if self._release_memory:
             release_if_freed(self._store, TRIM_THRESHOLD_BYTES)
 
-    def _reject(self, tensor: torch.Tensor) -> None:
+    def _reject(self, tensor: torch.Tensor, refusal: Refusal | None = None) -> None:
         if len(self._rejected) >= _KEPT:
             self._rejected.clear()
-        self._rejected[id(tensor)] = TensorMark(tensor)
+        content = refusal is not None and refusal.reason is SkipReason.NOT_ROPE
+        self._rejected[id(tensor)] = TensorMark(tensor, content=content)
 
     def _run_unmerged(self, args: Sequence):
         if self._fallback is None:

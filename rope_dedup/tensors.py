@@ -82,10 +82,26 @@ def readable(tensor: torch.Tensor) -> bool:
 
 
 def same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """``torch.equal``, also for complex32 (ComplexHalf), which torch.equal does not implement."""
-    if a.dtype == torch.complex32:
-        return torch.equal(torch.view_as_real(a), torch.view_as_real(b))
-    return torch.equal(a, b)
+    """Bitwise equality: only tables of the very same bits share. ``torch.equal`` counts -0.0 equal to +0.0
+    (and NaN unequal to itself), so floating and complex values are compared as integers of their width."""
+    return torch.equal(_bits(a), _bits(b))
+
+
+# Integer dtypes as wide as each floating element: a view of a table's bits, no copy.
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _bits(tensor: torch.Tensor) -> torch.Tensor:
+    if tensor.is_complex():
+        tensor = torch.view_as_real(tensor)
+    return tensor.view(_BITS[tensor.element_size()]) if tensor.is_floating_point() else tensor
+
+
+def memory_key(tensor: torch.Tensor) -> tuple[torch.device, int]:
+    """Where the first element this tensor reads lives: device and address (addresses of two devices may
+    coincide, and every meta tensor's is 0)."""
+    inner = local(tensor)
+    return inner.device, inner.data_ptr()
 
 
 class TensorMark:
@@ -95,16 +111,21 @@ class TensorMark:
     ``id()`` and the TensorImpl's address are both reused as soon as a tensor is gone, often by the very next
     tensor made; its storage tells them apart: the weak reference to the StorageImpl kept here (which no swap
     checks) keeps that address from being reused while the mark lives. A tensor without storage (meta) is
-    known by id and impl alone."""
+    known by id and impl alone. With ``content=True`` the mark also stops matching once the tensor is written
+    in place (its version counter moves: a cache refused while zeros, filled later); an inference tensor has
+    no version counter, and is known as with ``content=False``."""
 
-    __slots__ = ("ident", "impl", "storage")
+    __slots__ = ("ident", "impl", "storage", "version")
 
-    def __init__(self, tensor: torch.Tensor) -> None:
+    def __init__(self, tensor: torch.Tensor, content: bool = False) -> None:
         self.ident, self.impl = id(tensor), tensor._cdata
         self.storage = StorageWeakRef(local(tensor).untyped_storage()) if has_storage(tensor) else None
+        self.version = tensor._version if content and not tensor.is_inference() else None
 
     def matches(self, tensor: torch.Tensor) -> bool:
         if id(tensor) != self.ident or tensor._cdata != self.impl:
+            return False
+        if self.version is not None and tensor._version != self.version:
             return False
         if self.storage is None:
             return not has_storage(tensor)

@@ -137,7 +137,7 @@ def test_unshare_gives_storage_back_and_stops_sharing() -> None:
     tokens = torch.randint(0, 64, (1, 8))
     compiled(tokens)
     assert len({t.data_ptr() for _, t in rope_tensors(model)}) == 2
-    released = rope_dedup.unshare(model, backend)
+    released = rope_dedup.unshare(model)
     assert sorted(released) == sorted(name for name, _ in rope_tensors(model))
     assert len({t.data_ptr() for _, t in rope_tensors(model)}) == 6
     with torch.no_grad():

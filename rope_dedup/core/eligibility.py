@@ -35,6 +35,8 @@ class SkipReason(enum.Enum):
                "written; compile, or share() once it is full")
     UNSEEN_ATTRIBUTE = ("plain tensor attribute: buffer registration hooks do not see it while the model is built; "
                         "rope_dedup.share(model) after the build reaches it")
+    UNGUARDED = ("in the state_dict, and the module holding it could not be found to guard load_state_dict: kept "
+                 "apart, since a reload copies into it in place and would write every table it shared")
 
 
 @dataclass(frozen=True)

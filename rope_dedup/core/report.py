@@ -131,9 +131,8 @@ class DedupReport:
                 placement=describe_placement(group.placement),
             ))
         skipped = []
-        for path, refusal in store.skipped.items():
-            named = sorted(p for p in (path_in_model(mark.ident, mark.matches) for mark in store.skipped_marks(path))
-                           if p is not None)
+        for path, refusal, marks in store.skips():
+            named = sorted(p for p in (path_in_model(mark.ident, mark.matches) for mark in marks) if p is not None)
             skipped += [Skip(p, refusal) for p in (named or [path])]
         shared = {base_name(m.name) for _, live, _ in snapshot for m in live}
         shared |= {m for g in groups for m in g.members}

@@ -8,6 +8,7 @@ module that touches that private API; everything else sees a :class:`InputOrigin
 from __future__ import annotations
 
 import re
+import sys
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -31,6 +32,18 @@ class InputOrigin:
     origin: Origin
     persistent: bool | None = None
     owner: Any = None  # the module object holding a buffer or parameter, where it could be reached
+    reach: Reach | None = None  # how to reach that module again from the frame the graph runs in
+
+
+class Reach(NamedTuple):
+    """The way from a frame's local (or global) to the module holding a buffer or parameter, and its name
+    there. With regional compile one graph serves every block: replayed on the frame that calls the graph,
+    it finds the module holding the tensor fed at run time (whose ``load_state_dict`` must be guarded)."""
+
+    root: str
+    is_global: bool
+    steps: tuple[tuple[str, Any], ...]  # from the root to the owning module
+    attr: str
 
 
 def placeholder_origin(node: torch.fx.Node) -> InputOrigin:
@@ -62,13 +75,13 @@ def source_origin(source: Any, name: str) -> InputOrigin:
     if not attributes:  # a forward argument, possibly inside *args: an activation, not module state
         return InputOrigin(getattr(root, "local_name", None) or name, Origin.INPUT)
     if "_parameters" in attributes:
-        return InputOrigin(".".join(names), Origin.PARAMETER, owner=_owner(root, steps, "_parameters"))
+        reach = _reach(root, steps, "_parameters")
+        return InputOrigin(".".join(names), Origin.PARAMETER, owner=_owner(reach), reach=reach)
     if "_buffers" in attributes:
-        owner = _owner(root, steps, "_buffers")
-        persistent = None
-        if owner is not None:  # then a buffer name follows "_buffers" in the steps
-            persistent = steps[steps.index(("attr", "_buffers")) + 1][1] not in owner._non_persistent_buffers_set
-        return InputOrigin(".".join(names), Origin.BUFFER, persistent, owner)
+        reach = _reach(root, steps, "_buffers")
+        owner = _owner(reach)
+        persistent = None if owner is None or reach is None else reach.attr not in owner._non_persistent_buffers_set
+        return InputOrigin(".".join(names), Origin.BUFFER, persistent, owner, reach)
     return InputOrigin(".".join(names), Origin.ATTRIBUTE)
 
 
@@ -97,29 +110,70 @@ def _steps(source: Any) -> tuple[Any, list[tuple[str, Any]]]:
     return node, folded
 
 
-def _owner(root: Any, steps: list[tuple[str, Any]], container: str) -> Any:
-    """The module whose ``container`` (``_buffers``, ``_parameters``) holds the tensor the steps name, or None.
+def _reach(root: Any, steps: list[tuple[str, Any]], container: str) -> Reach | None:
+    """The :class:`Reach` of the tensor the steps name in ``container`` (``_buffers``, ``_parameters``), or
+    None for a source that does not start at a frame's local or global, or names no tensor after it."""
+    at = steps.index(("attr", container))
+    name = getattr(root, "local_name", None)
+    is_global = name is None
+    if is_global:
+        name = getattr(root, "global_name", None)
+    if at + 1 >= len(steps) or not isinstance(name, str) or not isinstance(steps[at + 1][1], str):
+        return None
+    return Reach(name, is_global, tuple(steps[:at]), steps[at + 1][1])
+
+
+def _owner(reach: Reach | None) -> Any:
+    """The module holding the tensor ``reach`` names, on the frame dynamo is compiling, or None.
 
     It tells whether a buffer is in its module's state_dict, and where to guard ``load_state_dict``. The
-    module is reached by replaying the steps on the frame dynamo is compiling (its locals and globals),
-    which is the only place the owning module object can be found at compile time.
+    frame being compiled is the only place the owning module object can be found at compile time.
     """
-    at = steps.index(("attr", container))
-    if at + 1 >= len(steps):
+    if reach is None:
         return None
     try:
         from torch._dynamo.symbolic_convert import InstructionTranslator
 
         frame = InstructionTranslator.current_tx().output.root_tx
-        if getattr(root, "local_name", None) is not None:
-            module = frame.f_locals[root.local_name]
-        else:
-            module = frame.f_globals[root.global_name]
-        for how, name in steps[:at]:
+        return _module_at(frame.f_globals if reach.is_global else frame.f_locals, reach)
+    except Exception:  # no frame being compiled
+        return None
+
+
+def _module_at(namespace: Any, reach: Reach) -> torch.nn.Module | None:
+    try:
+        module = namespace[reach.root]
+        for how, name in reach.steps:
             module = getattr(module, name) if how == "attr" else module[name]
-    except Exception:  # no frame being compiled, or a source this replay does not know
+    except Exception:  # a source this replay does not know
         return None
     return module if isinstance(module, torch.nn.Module) else None
+
+
+# Frames between a compiled graph's caller (the frame dynamo transformed: its locals are the model's) and
+# the store's run-time offer: dynamo's disable wrapper, the interning callable's own few, with room to spare.
+_FRAMES_UP = 16
+
+
+def find_owner(reach: Reach, tensor: Any) -> tuple[torch.nn.Module, str] | None:
+    """The module holding this very ``tensor`` under ``reach.attr``, found by replaying ``reach`` on the frames
+    that called this one: the frame that runs a compiled graph holds the locals dynamo compiled it from
+    (``self``: this block, under regional compile). None when no frame leads to a module holding it."""
+    frame = sys._getframe(1)
+    for _ in range(_FRAMES_UP):
+        if frame is None:
+            break
+        namespace = frame.f_globals if reach.is_global else frame.f_locals
+        if reach.root in namespace:
+            module = _module_at(namespace, reach)
+            if module is not None and _holds(module, reach.attr, tensor):
+                return module, reach.attr
+        frame = frame.f_back
+    return None
+
+
+def _holds(module: torch.nn.Module, attr: str, tensor: Any) -> bool:
+    return module._buffers.get(attr) is tensor or module._parameters.get(attr) is tensor
 
 
 def declare_constant_source(gm: torch.fx.GraphModule, attribute: str) -> None:
@@ -167,8 +221,10 @@ def source_root(node: torch.fx.Node) -> str | None:
 
 
 class WatchedInput(NamedTuple):
-    """How to offer another tensor fed to the same graph input: what the store was told at compile time."""
+    """How to offer another tensor fed to the same graph input: what the store was told at compile time,
+    and how to find the module holding it (None: a global, an attribute, a graph without sources)."""
 
     path: str
     written: str | None
     persistent: bool
+    reach: Reach | None = None

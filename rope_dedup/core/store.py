@@ -36,7 +36,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from rope_dedup.core.eligibility import Refusal, SkipReason, why_not_shareable
 from rope_dedup.tables.keys import RopeKey, infer_key
 from rope_dedup.tables.recognize import NotRope, RopeTable, recognize_rope_table
-from rope_dedup.tensors import TensorMark, has_storage, local, memory_ptr, placement, same_values, storage_nbytes, storage_ptr
+from rope_dedup.tensors import (TensorMark, has_storage, local, memory_key, memory_ptr, placement, same_values,
+                                storage_nbytes, storage_ptr)
 
 log = logging.getLogger("rope_dedup")
 
@@ -45,6 +46,11 @@ log = logging.getLogger("rope_dedup")
 _SKIPPED_IDS_PER_NAME = 4096
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _expired = torch.UntypedStorage._expired  # a storage's weak reference has no strong one left
+# One lock for every store: a write protection or unshare() that reaches into every store (a table shared by
+# share() and written by another backend's graph) must not wait on two locks taken in opposite orders.
+_LOCK = threading.RLock()
+# Tensors unshare() released, in every store: never shared again (id -> its mark and the refusal).
+_EXCLUDED: dict[int, tuple[TensorMark, Refusal]] = {}
 
 
 @dataclass(eq=False)
@@ -74,6 +80,9 @@ class SharedMarks(NamedTuple):
     impls: tuple[int, ...]  # each tensor's _cdata
     ptrs: tuple[int, ...]  # each tensor's data_ptr
     storages: tuple[int, ...]  # the distinct storages they joined (weak addresses)
+    # The weak references behind ``storages``, held here: a member forgotten by another thread meanwhile
+    # would otherwise free its weak reference, and reading ``storages`` would read freed memory.
+    refs: tuple[StorageWeakRef, ...]
 
 
 @dataclass(eq=False)
@@ -121,10 +130,9 @@ class CanonicalStore:
         self.share_persistent = share_persistent  # also share buffers saved in a state_dict (opt-in)
         self._groups: list[_Group] = []
         self._members: dict[int, _Member] = {}  # id(tensor) -> member (checked against the tensor's impl)
-        self._ptrs: dict[int, _Group] = {}  # memory_ptr of a member -> its group
+        self._ptrs: dict[tuple[torch.device, int], _Group] = {}  # memory_key of a member -> its group
         # Bumped whenever a member joins or leaves: SharedMarks of an earlier generation say nothing.
         self.generation = 0
-        self._excluded: dict[int, tuple[TensorMark, Refusal]] = {}  # id -> never share again (unshare())
         self.skipped: dict[str, Refusal] = {}
         self._skipped_marks: dict[str, dict[tuple[int, int], TensorMark]] = {}  # name -> tensors skipped under it
         self._names: dict[str, int] = {}
@@ -132,16 +140,16 @@ class CanonicalStore:
         # table for a new one of its own, and the report must say so rather than go quiet about it.
         self._departed: dict[str, tuple[int, RopeKey]] = {}
         self.freed_cpu_bytes = 0  # CPU storage let go by aliasing since the owner last took the count
-        # Deciding and applying happen under one lock: threads that run compiled models intern their inputs
-        # while others compile, and two threads offering equal tables unlocked could both found a group, or
-        # join one the other is giving up. The per-call checks read dicts and take no lock.
-        self.lock = threading.RLock()
+        # Deciding and applying happen under the stores' one lock: threads that run compiled models intern their
+        # inputs while others compile, and two threads offering equal tables unlocked could both found a group,
+        # or join one the other is giving up. The per-call check of a reading graph reads dicts, unlocked.
+        self.lock = _LOCK
 
     # -- the hot path -------------------------------------------------------------------------------
     def is_interned(self, tensor: torch.Tensor) -> bool:
         """Cheap check used on every call: is this tensor's memory a live group's table?"""
-        group = self._ptrs.get(memory_ptr(tensor))
-        return group is not None and any(not m.storage.expired() for m in group.members.values())
+        group = self._ptrs.get(memory_key(tensor))
+        return group is not None and any(not m.storage.expired() for m in list(group.members.values()))
 
     def unshared(self, tensors: Sequence[torch.Tensor], positions: Sequence[int]) -> list[int]:
         """The hot path, once per call of a compiled graph: the positions whose tensor is not a shared member
@@ -168,8 +176,9 @@ class CanonicalStore:
         members = [self._members[id(tensor)] for tensor in tensors]
         if not all(m.plain for m in members):
             return None
+        refs = tuple({m.storage_cdata: m.storage for m in members}.values())
         return SharedMarks(self.generation, tuple(m.impl for m in members), tuple(m.ptr for m in members),
-                           tuple({m.storage_cdata: None for m in members}))
+                           tuple(ref.cdata for ref in refs), refs)
 
     def member(self, tensor: torch.Tensor) -> _Member | None:
         """The record of ``tensor`` if it is a member of a group (this very tensor, not an equal one).
@@ -208,12 +217,14 @@ class CanonicalStore:
             if member.group.pending:
                 self._rekey(member.group)
             return Plan(Action.KNOWN)
-        excluded = self._excluded.get(id(tensor))
+        # A table about to be written must leave every store that shares it, not only this one.
+        release = member is not None or (written is not None and shared_anywhere(tensor))
+        excluded = _EXCLUDED.get(id(tensor))
         if excluded is not None and excluded[0].matches(tensor):
-            return Plan(Action.SKIP, member is not None, refusal=excluded[1])
+            return Plan(Action.SKIP, release, refusal=excluded[1])
         refusal = why_not_shareable(tensor, written, persistent, self.share_persistent)
         if refusal is not None:
-            return Plan(Action.SKIP, member is not None, refusal=refusal)
+            return Plan(Action.SKIP, release, refusal=refusal)
         group = self._find_equal(tensor)
         if group is not None:
             return Plan(Action.JOIN, group=group)
@@ -225,9 +236,10 @@ class CanonicalStore:
     def apply(self, plan: Plan, tensor: torch.Tensor, name: str,
               owner: tuple[torch.nn.Module, str] | None = None) -> None:
         """Carry out ``plan`` for ``tensor``: the store's bookkeeping, and storage changes unless a dry run."""
-        if plan.release_first:
+        if plan.release_first:  # even in a dry run: the write would land in every store's sharers
             log.info("rope_dedup: %s is written by a graph compiled now; it gets its own storage back", name)
-            self.release(tensor)
+            self._leave(tensor)
+            release_shared(tensor)
         if plan.action is Action.SKIP:
             self._skip(name, plan.refusal, tensor)  # type: ignore[arg-type]
         elif plan.action is Action.JOIN:
@@ -320,7 +332,7 @@ class CanonicalStore:
         group.members[member.ident] = member
         self._members[member.ident] = member
         self.generation += 1
-        self._ptrs[member.ptr] = group
+        self._ptrs[(mine.device, member.ptr)] = group
         self.skipped.pop(name, None)
         self._skipped_marks.pop(name, None)
 
@@ -337,8 +349,9 @@ class CanonicalStore:
             count, _ = self._departed.get(base, (0, group.key))
             self._departed[base] = (count + 1, group.key)
             log.info("rope_dedup: %s was freed while shared (its owner dropped or replaced it)", member.name)
-        if not any(m.ptr == member.ptr for m in group.members.values()) and self._ptrs.get(member.ptr) is group:
-            del self._ptrs[member.ptr]
+        where = (group.key.device, member.ptr)
+        if not any(m.ptr == member.ptr for m in group.members.values()) and self._ptrs.get(where) is group:
+            del self._ptrs[where]
         if not group.members and not keep_group and group in self._groups:
             self._groups.remove(group)
 
@@ -365,23 +378,20 @@ class CanonicalStore:
         if isinstance(found, RopeTable):
             group.key, group.pending = infer_key(found, canonical), False
 
-    def release(self, tensor: torch.Tensor, reason: Refusal | None = None) -> bool:
-        """Give a shared tensor its own storage back; with ``reason``, never share it again.
-
-        Used before a graph that writes a shared table runs (it may be shared again once only graphs that
-        read it run), and by :func:`rope_dedup.unshare`. Returns whether the tensor was a member.
-        """
+    def release(self, tensor: torch.Tensor) -> bool:
+        """Forget ``tensor`` here and give it its own storage back, in every store (:func:`release_shared`):
+        what a refusal found after sharing needs. Returns whether the tensor was shared."""
         with self.lock:
-            member = self.member(tensor)
-            if member is not None:
-                group = member.group
-                self._forget(member)
-                if group.members and not self.dry_run:
-                    _own_storage(local(tensor))
-                    log.info("rope_dedup: %s has its own storage again", member.name)
-            if reason is not None:  # marked with the storage it has now
-                self._excluded[id(tensor)] = (TensorMark(tensor), reason)
-            return member is not None
+            was_member = self._leave(tensor)
+            released = release_shared(tensor) if not self.dry_run else False
+            return was_member or released
+
+    def _leave(self, tensor: torch.Tensor) -> bool:
+        """Forget ``tensor`` as a member of this store; its storage is untouched. Returns whether it was one."""
+        member = self.member(tensor)
+        if member is not None:
+            self._forget(member)
+        return member is not None
 
     def member_name(self, tensor: torch.Tensor) -> str | None:
         """The name ``tensor`` was shared under, or None if it is not a member of a group."""
@@ -450,14 +460,18 @@ class CanonicalStore:
     # -- what the report reads ------------------------------------------------------------------
     @property
     def departed(self) -> dict[str, tuple[int, RopeKey]]:
-        """Members freed while shared, by name without its "#n": (how many, their key)."""
+        """Members freed while shared, by name without its "#n": (how many, their key). A copy, taken under
+        the lock: other threads intern while a report reads it."""
         with self.lock:
             self._prune()
-        return self._departed
+            return dict(self._departed)
 
-    def skipped_marks(self, name: str) -> list[TensorMark]:
-        """Marks of the tensors skipped under ``name`` (one per block when a graph serves every block)."""
-        return list(self._skipped_marks.get(name, {}).values())
+    def skips(self) -> list[tuple[str, Refusal, list[TensorMark]]]:
+        """Each skip name with its refusal and the marks of the tensors skipped under it (one per block when
+        a graph serves every block): a copy, taken under the lock."""
+        with self.lock:
+            return [(name, refusal, list(self._skipped_marks.get(name, {}).values()))
+                    for name, refusal in self.skipped.items()]
 
     def snapshot(self) -> list[tuple[_Group, list[_Member], int]]:
         """Live groups, each with its live members and the bytes of the storage it reads, for the report."""
@@ -474,6 +488,36 @@ class CanonicalStore:
 # Stores that alias tables, held strongly while any of their tables lives: a move must keep those shared even
 # when the backend that shared them is gone (share(model, backend=RopeDedupBackend()) drops its backend at once).
 _SHARING: set[CanonicalStore] = set()
+
+
+def shared_anywhere(tensor: torch.Tensor) -> bool:
+    """Whether any store shares ``tensor``'s memory as a live table: what a graph about to write it asks."""
+    with _LOCK:
+        return any(store.is_interned(tensor) for store in _SHARING)
+
+
+def release_shared(tensor: torch.Tensor) -> bool:
+    """Forget ``tensor`` in every store, and give it its own storage (same content) if its memory is still a
+    table others read: a write then lands in it alone. Returns whether it was shared anywhere."""
+    with _LOCK:
+        stores = list(_SHARING)
+        names = []
+        for store in stores:
+            member = store.member(tensor)
+            if member is not None:
+                store._forget(member)
+                names.append(member.name)
+        if not any(store.is_interned(tensor) for store in stores):
+            return bool(names)
+        _own_storage(local(tensor))
+        log.info("rope_dedup: %s has its own storage again", names[0] if names else "a table read by shared ones")
+        return True
+
+
+def exclude(tensor: torch.Tensor, reason: Refusal) -> None:
+    """Never share ``tensor`` again, in any store, for ``reason`` (marked with the storage it has now)."""
+    with _LOCK:
+        _EXCLUDED[id(tensor)] = (TensorMark(tensor), reason)
 
 
 def live_stores() -> list[CanonicalStore]:
