@@ -14,22 +14,28 @@ done alike to the model with and without sharing (:data:`STEPS`): its tables fre
 model runs through the same backend, then refilled (sleep mode, SGLang #33575); ``to_empty`` and re-init, from
 CPU or from meta; ``double()``, ``double()`` with ``set_swap_module_params_on_conversion(True)`` (every
 parameter swapped), ``half().float()``; and ``load_state_dict`` of a checkpoint whose tables are equal or
-differ in one layer (tables are drawn persistent or not, and the backend shares persistent ones or not).
-Compiled graphs check their inputs before each call one way or the other (marks or the store: drawn). The
-share() path calls share() again after each step, as a user would. ``ROPE_DEDUP_PROPERTY_EXAMPLES`` sets
+differ in the first or the last layer (tables are drawn persistent or not, and the backend shares persistent
+ones or not; under regional compile the last layer's joined at run time). Compiled graphs check their inputs
+before each call one way or the other (marks or the store: drawn). Drawn too: one layer whose forward scales
+its own table in place through an op that returns the table or a view of it (:data:`WRITES_THROUGH`); a
+second backend's ``share()`` of the model before it is compiled (a second store); a thread that builds
+reports while the calls intern. The share() path calls share() again after each step, as a user would. ``ROPE_DEDUP_PROPERTY_EXAMPLES`` sets
 the number of examples over the three inner backends (default 50: 25 eager, 20 aot_eager, 5 inductor; the
 long run uses 500), plus 3/10 of it for share().
 """
 
 from __future__ import annotations
 
+import operator
 import os
+import threading
 from dataclasses import replace
 from typing import Callable
 from unittest import mock
 
 import pytest
 import torch
+import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from helpers import build, compile_model, unwrap
@@ -43,8 +49,45 @@ from rope_dedup.tensors import same_values
 
 EXAMPLES = int(os.environ.get("ROPE_DEDUP_PROPERTY_EXAMPLES", "50"))
 SEQ = 8
-STEPS = ("free", "to_empty", "meta", "float64", "swap_float64", "half_float", "reload_equal", "reload_other")
+STEPS = ("free", "to_empty", "meta", "float64", "swap_float64", "half_float", "reload_equal", "reload_other",
+         "reload_last")
 MOVES = ("to_empty", "float64", "swap_float64", "half_float")  # Module._apply of every table
+# Ops a graph may write its own table through: each returns the table itself or a view of it, and the mutation
+# scan must see the write through every one (passes/find_mutations.py).
+WRITES_THROUGH: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "ravel": torch.ravel, "flatten": lambda t: t.flatten(), "reshape": lambda t: t.reshape(-1),
+    "view": lambda t: t.view(t.shape), "detach": lambda t: t.detach(), "contiguous": lambda t: t.contiguous(),
+    "ellipsis": lambda t: t[...], "narrow": lambda t: t.narrow(0, 0, 1), "unsqueeze": lambda t: t.unsqueeze(0),
+    "to_same": lambda t: t.to(t.dtype), "view_as": lambda t: t.view_as(t), "expand_as": lambda t: t.expand_as(t),
+    "atleast_1d": torch.atleast_1d, "pos": operator.pos, "dropout_eval": lambda t: F.dropout(t, training=False),
+    "movedim": lambda t: t.movedim(0, 0), "requires_grad_": lambda t: t.requires_grad_(False),
+    "squeeze": lambda t: t.squeeze(), "alias": torch.ops.aten.alias.default,
+}
+# The table each layout's forward reads (the first, where it has two).
+TABLE_OF = {"cos_sin": "cos", "hf_halves": "cos_cached", "titan_cos_sin": "rope_cache", "complex": "freqs_cis",
+            "stacked": "cache", "gptj": "embed_positions", "inv_freq": "inv_freq", "lazy_cache": "cached_freqs",
+            "filled_cache": "filled_freqs"}
+SCALE = 1.0 + 2.0 ** -7  # exact in every float dtype drawn: each call moves the table, alike in both models
+
+
+class WritesThrough(torch.nn.Module):
+    """A block whose forward first scales its own RoPE table in place through ``WRITES_THROUGH[op]``.
+    complex32 tables (ComplexHalf has no ``mul_`` on CPU) are left as they are."""
+
+    def __init__(self, block: torch.nn.Module, op: str) -> None:
+        super().__init__()
+        self.block, self.op = block, op
+        self.table = TABLE_OF[block.attention.rope.spec.layout]
+
+    def written(self) -> torch.Tensor | None:
+        table = getattr(self.block.attention.rope, self.table)
+        return None if table.dtype == torch.complex32 else table
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        table = self.written()
+        if table is not None:
+            WRITES_THROUGH[self.op](table).mul_(SCALE)
+        return self.block(x)
 
 
 @st.composite
@@ -78,7 +121,28 @@ def decoders(draw, inner: str):
         # Graphs check their inputs before each call by comparing marks (as a whole model's many tables
         # do) rather than asking the store tensor by tensor (as the few tables of these small graphs do).
         "marks": draw(st.booleans()),
+        # (layer, op): that layer writes its table through the op on every call; not on the share() path,
+        # where a write in eager code is the documented limit (unshare() first).
+        "write": draw(st.none() | st.tuples(st.integers(0, 4), st.sampled_from(sorted(WRITES_THROUGH))))
+        if inner != "share" else None,
+        "second": draw(st.booleans()) if inner != "share" else False,  # another backend's share() first
+        "reporter": draw(st.booleans()) if inner != "share" else False,  # a thread building reports meanwhile
     }
+
+
+def make(case, seed: int | None = None) -> torch.nn.Module:
+    """The case's decoder, with its writing layer (if any) wrapped in :class:`WritesThrough`."""
+    model = build(case["specs"], case["seed"] if seed is None else seed, case["graph_break"], case["device"])
+    if case.get("write") is not None:
+        layer, op = case["write"]
+        at = layer % len(model.layers)
+        model.layers[at] = WritesThrough(model.layers[at], op)
+    return model
+
+
+def written_through(model: torch.nn.Module) -> torch.Tensor | None:
+    """The table a :class:`WritesThrough` layer of the (unwrapped) model writes, if any."""
+    return next((t for m in model.layers if isinstance(m, WritesThrough) and (t := m.written()) is not None), None)
 
 
 def written(name: str) -> bool:
@@ -136,11 +200,12 @@ def re_init(model: torch.nn.Module, via_meta: bool, device: torch.device | str) 
 
 
 def reload(model: torch.nn.Module, case, other_theta: bool) -> None:
-    """``load_state_dict`` of a fresh model's checkpoint, layer 0's theta tripled when ``other_theta``."""
-    specs = case["specs"]
-    if other_theta:
-        specs = [replace(specs[0], theta=specs[0].theta * 3), *specs[1:]]
-    checkpoint = build(specs, case["seed"], case["graph_break"], case["device"]).state_dict()
+    """``load_state_dict`` of a fresh model's checkpoint, the theta of layer ``other_theta`` (0 or -1: the last,
+    which joined at run time under regional compile) tripled; None: all as they were."""
+    specs = list(case["specs"])
+    if other_theta is not None:
+        specs[other_theta] = replace(specs[other_theta], theta=specs[other_theta].theta * 3)
+    checkpoint = make({**case, "specs": specs}).state_dict()
     # Regional compile puts ``_orig_mod`` in the compiled blocks' keys.
     model.load_state_dict({k: checkpoint[k.replace("_orig_mod.", "")] for k in model.state_dict()})
 
@@ -155,7 +220,7 @@ def run_sequence(case, model: torch.nn.Module, call: Callable, ready_other: Call
     outputs = [call(tokens(0, device)).detach(), call(tokens(1, device)).detach()]
     for i, step in enumerate(case["steps"], 2):
         if step == "free":
-            other = build(case["specs"], case["seed"] + 1, case["graph_break"], device)
+            other = make(case, case["seed"] + 1)
             sleep_and_wake(model, lambda: outputs.append(ready_other(other)(tokens(0, device)).detach()))
         elif step in ("to_empty", "meta"):
             re_init(model, via_meta=step == "meta", device=device)
@@ -170,7 +235,7 @@ def run_sequence(case, model: torch.nn.Module, call: Callable, ready_other: Call
         elif step == "half_float":
             model.half().float()
         else:
-            reload(model, case, other_theta=step == "reload_other")
+            reload(model, case, other_theta={"reload_other": 0, "reload_last": -1}.get(step))
         after_step()
         outputs.append(call(tokens(i, device)).detach())
     outputs.append(call(tokens(0, device)).detach())
@@ -202,7 +267,7 @@ def unread_after_a_move(case, model: torch.nn.Module) -> set[int]:
 def keeps_every_promise(case) -> None:
     torch._dynamo.reset()
     counters.clear()
-    plain_model = build(case["specs"], case["seed"], case["graph_break"], case["device"])
+    plain_model = make(case)
     plain = compile_model(plain_model, case["inner"], case["regional"])
     expected = run_sequence(case, plain_model, plain,
                             lambda other: compile_model(other, case["inner"], case["regional"]))
@@ -210,23 +275,36 @@ def keeps_every_promise(case) -> None:
     # From the model run without the pass: filled caches hold their content only after a forward.
     plain_model = unwrap(plain_model)
     own = own_storage(case, plain_model) | unread_after_a_move(case, plain_model)
-    ideal = ideal_storages(plain_model, keeps_own=lambda t: moving_frequencies(t) < 2 or id(t) in own)
+    writes = written_through(plain_model)
+    if writes is not None:
+        own.add(id(writes))
+    def keeps_own(t: torch.Tensor) -> bool:
+        return moving_frequencies(t) < 2 or id(t) in own
+
+    ideal = ideal_storages(plain_model, keeps_own=keeps_own)
+    # share() sees what no forward reads (original_inv_freq) and may share it; a later move to meta or a
+    # free leaves it unshared, since no graph offers it again. Either count is right.
+    seen = case.get("second", False)
     # A reload that brings every member of a group the same value keeps the group shared, whatever the
     # value: a filled cache reloaded with a fresh model's zeros stays one storage. Then tables with fewer
     # than two moving frequencies may share by value too.
-    reloaded_groups = ideal_storages(plain_model, keeps_own=lambda t: id(t) in own) \
-        if any(step.startswith("reload") for step in case["steps"]) else ideal
+    reloaded = any(step.startswith("reload") for step in case["steps"])
+    floor = ideal_storages(plain_model, keeps_own=(lambda t: id(t) in own) if reloaded else keeps_own,
+                           unread_seen=seen)
 
     torch._dynamo.reset()
     counters.clear()
-    model = build(case["specs"], case["seed"], case["graph_break"], case["device"])
+    model = make(case)
     fills = {name: t.clone() for name, t in rope_tensors(model) if written(name)}
+    if seen:
+        share(model, backend=RopeDedupBackend("eager"), share_persistent=case["share_persistent"])
     backend = RopeDedupBackend(case["inner"], share_persistent=case["share_persistent"])
     marks_from = 1 if case.get("marks") else rope_dedup.interning._MARKS_FROM
-    with mock.patch.object(rope_dedup.interning, "_MARKS_FROM", marks_from):
+    with mock.patch.object(rope_dedup.interning, "_MARKS_FROM", marks_from), reporting(backend, case) as failures:
         compiled = compile_model(model, backend, case["regional"])
         outputs = run_sequence(case, model, compiled,
                                lambda other: compile_model(other, backend, case["regional"]))
+    assert not failures, failures
     model = unwrap(model)
 
     assert len(outputs) == len(expected)
@@ -234,9 +312,12 @@ def keeps_every_promise(case) -> None:
         torch.testing.assert_close(got, want, rtol=0, atol=0)
     assert counters["stats"]["unique_graphs"] == plain_graphs
     tables = rope_tensors(model)
-    assert reloaded_groups <= len({t.untyped_storage().data_ptr() for _, t in tables}) <= ideal
+    assert floor <= len({t.untyped_storage().data_ptr() for _, t in tables}) <= ideal
     written_ptrs = [t.untyped_storage().data_ptr() for name, t in tables if written(name)]
     assert len(set(written_ptrs)) == len(written_ptrs)
+    writes = written_through(model)
+    if writes is not None:  # its own storage, read by no other table
+        assert sum(t.untyped_storage().data_ptr() == writes.untyped_storage().data_ptr() for _, t in tables) == 1
     for name, t in tables:
         if written(name):
             assert t.shape == fills[name].shape  # filled in place by forward, never re-pointed
@@ -250,6 +331,34 @@ def keeps_every_promise(case) -> None:
     assert all(reason for reason in skipped.values())
     assert not report.errors
     assert not counters["rope_dedup"]["intern_errors"]  # logged and counted, never raised into forward
+
+
+class reporting:  # noqa: N801 (a context manager)
+    """With the case's ``reporter``, a thread builds the backend's report over and over while the block runs
+    (and interns); its exceptions are collected in the list the block gets."""
+
+    def __init__(self, backend: RopeDedupBackend, case) -> None:
+        self.backend, self.on = backend, case.get("reporter", False)
+        self.failures: list[BaseException] = []
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self.run, daemon=True)
+
+    def run(self) -> None:
+        try:
+            while not self.stop.is_set():
+                str(self.backend.report)
+        except BaseException as error:  # a thread's exception would otherwise vanish
+            self.failures.append(error)
+
+    def __enter__(self) -> list[BaseException]:
+        if self.on:
+            self.thread.start()
+        return self.failures
+
+    def __exit__(self, *_) -> None:
+        self.stop.set()
+        if self.on:
+            self.thread.join(timeout=60)
 
 
 def filled_on_demand(name: str) -> bool:
