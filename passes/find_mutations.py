@@ -186,7 +186,16 @@ def _hop_writes(user: torch.fx.Node, value: torch.fx.Node) -> str | None:
         return None
     if not bodies:
         return f"passed to higher-order op {op_name(user)!r}, which the pass cannot inspect"
-    for body in bodies.values():
+    if len(bodies) == 1:  # wrap, wrap_with_autocast, checkpoints: the operands after the body are its inputs
+        (node, body), = bodies.items()
+        operands = list(user.args[user.args.index(node) + 1:]) if node in user.args else []
+        placeholders = [n for n in body.graph.nodes if n.op == "placeholder"]
+        if operands and len(operands) == len(placeholders):
+            written = find_mutations(body)
+            how = next((written[p] for p, operand in zip(placeholders, operands) if operand is value and p in written),
+                       None)
+            return None if how is None else f"passed to higher-order op {op_name(user)!r}, whose body writes it ({how})"
+    for body in bodies.values():  # operands not matched to the body's inputs: any input written may be this one
         written = next((how for node, how in find_mutations(body).items() if node.op == "placeholder"), None)
         if written is not None:
             return f"passed to higher-order op {op_name(user)!r}, whose body writes an input ({written})"
