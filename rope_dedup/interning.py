@@ -2,45 +2,63 @@
 
 With regional compilation (each block compiled on its own) or a graph break inside the layer loop,
 dynamo compiles one graph and feeds it every layer's tables as inputs at run time: the compile-time
-pass sees only the first layer. So before each call the compiled callable checks its watched inputs
-(the hot path: a dict lookup per tensor in the store, or for a graph of many tables one comparison with
-the marks taken when they were last found shared) and, on first sight of a new tensor, offers it to the
-store (the slow path, once per tensor), which shares it or records why not. A graph
-that writes some of its inputs in place first gives each of them its own storage back if a graph that
-only reads them shared it since, in any store (a pointer check per written input and store, in writing
-graphs only). A tensor saved in a state_dict joins only with its module's ``load_state_dict`` guarded: the
-module is found by replaying the input's source on the calling frame.
+pass sees only the first layer. So before a call the compiled callable looks at its watched inputs and
+offers the store each one it has not seen (once per tensor), which shares it or records why not.
+
+A graph that only reads its tables cannot change a value by sharing: it looks on a schedule. It sweeps
+(looks at every call) until a block comes round again, which covers each block it serves; once a sweep
+finds nothing new it skips the next 2, 4, ... up to 64 rounds of blocks, back to every call as soon as a
+look finds something. Whatever can reassign a table moves the process-wide epoch, and the next call of
+every graph sweeps: each join, leave and release in any store (moves, ``share()``, ``unshare()``,
+reloads) and each buffer or parameter registered or assigned anywhere (torch's global registration
+hooks). A plain tensor attribute swapped in, or a storage regrown in place, waits for the next sweep. A
+skipped call costs a counter.
+
+A graph that writes some of its inputs in place gives each of them its own storage back, before every
+call, if any store shared it since (a check per written input), and a graph whose inputs were merged
+compares their memory: both look at every call, since values depend on it. A tensor saved in a
+state_dict joins only with its module's ``load_state_dict`` guarded: the module is found by replaying
+the input's source on the calling frame.
 """
 
 from __future__ import annotations
 
 import logging
-import operator
 from dataclasses import replace
 from typing import Callable, Sequence
 
 import torch
 from torch._dynamo.eval_frame import innermost_fn
 from torch._dynamo.utils import counters
+from torch.nn.modules.module import (register_module_buffer_registration_hook,
+                                     register_module_parameter_registration_hook)
 
 from rope_dedup.core.eligibility import Refusal, SkipReason
 from rope_dedup.core.memory import TRIM_THRESHOLD_BYTES, release_if_freed
 from rope_dedup.core.reload import guard_reload
 from rope_dedup.core.sources import WatchedInput, find_owner
-from rope_dedup.core.store import Action, CanonicalStore, SharedMarks, release_shared, shared_anywhere
+from rope_dedup.core.store import EPOCH, Action, CanonicalStore, release_shared, shared_anywhere
 from rope_dedup.tensors import TensorMark, memory_ptr
 
 log = logging.getLogger("rope_dedup")
 
-# Refused tensors, and input sets found shared, remembered per compiled graph: a model's worth of blocks
-# many times over.
+# Refused tensors remembered per compiled graph: a model's worth of blocks many times over.
 _KEPT = 4096
-# Watched inputs from which comparing SharedMarks beats asking the store tensor by tensor: measured on CPU
-# after a graph call (cold caches), 2.6 against 3.9 µs for a block's two tables, 41 against 31 µs for 80.
-_MARKS_FROM = 32
-_impl = operator.attrgetter("_cdata")
-_data_ptr = torch.Tensor.data_ptr
-_expired = torch.UntypedStorage._expired
+
+
+# Rounds of blocks a settled read-only graph skips between sweeps, at most: how long a change no hook sees
+# may wait (a plain attribute swapped in, ``.data =``, ``swap_tensors``, a storage regrown in place); the
+# epoch brings every other change to the next call.
+_WIDEST = 64
+
+
+def _registered(module: torch.nn.Module, name: str, value: object) -> None:
+    """A buffer or parameter registered or assigned anywhere: what settled graphs saw may have changed."""
+    EPOCH.bump()
+
+
+register_module_buffer_registration_hook(_registered)
+register_module_parameter_registration_hook(_registered)
 
 
 class InterningCallable:
@@ -79,57 +97,62 @@ class InterningCallable:
         # zeros, filled in place later). Bounded: nothing says when one is gone.
         self._rejected: dict[int, TensorMark] = {}
         self._release_memory = release_memory
-        self._reads_only = not self._written and not self._merged
         self._unshared = store.unshared
-        # For a graph that only reads many tables (a whole model: two per layer): the watched inputs found
-        # shared, by their ids, compared on each call with C-level loops instead of asking the store per
-        # tensor. A block's few tables are asked for directly: building the tuples costs more there.
-        self._by_marks = len(self._positions) >= _MARKS_FROM
-        self._pick = operator.itemgetter(*self._positions) if self._by_marks else None
-        self._shared: dict[tuple[int, ...], SharedMarks] = {}
+        self._reads_only = not self._written and not self._merged
+        # The schedule of a graph that only reads: calls left to skip, the epoch they were granted at, the
+        # rounds skipped after the last sweep, the blocks seen in the sweep under way (each by its first
+        # watched input) and whether it found nothing new so far.
+        self._skip = 0
+        self._epoch = -1
+        self._rounds = 1
+        self._swept: set[int] = set()
+        self._quiet = True
 
     def __call__(self, *args):
+        # A settled graph that only reads, between sweeps: a counter, before the graph call.
+        if self._skip and self._epoch == EPOCH.now:
+            self._skip -= 1
+            return self._compiled(*args)
         if not self.check(args):
             return self._run_unmerged(args)
         # Dynamo calls what a backend returns positionally, whatever ``_boxed_call`` says; so do we.
         return self._compiled(*args)
 
     def check(self, args: Sequence) -> bool:
-        """The work before each call: whether the compiled graph may run on ``args``. The common call, a
-        graph that only reads and its watched inputs already shared, asks the store once (a block's few
-        tables) or compares marks (many); anything else goes through :meth:`intern_inputs`."""
-        if self._reads_only:
-            if not self._by_marks:
-                if not self._unshared(args, self._positions):
-                    return True
-            elif self._marks_hold(args):
-                return True
-        return self.intern_inputs(args)
-
-    def _marks_hold(self, args: Sequence) -> bool:
-        """Tensors found shared before, the same ones in the same memory, no member joined or left since."""
-        tensors = self._pick(args)  # type: ignore[misc]
-        marks = self._shared.get(tuple(map(id, tensors)))
-        if (marks is not None and marks.generation == self._store.generation
-                and tuple(map(_impl, tensors)) == marks.impls and tuple(map(_data_ptr, tensors)) == marks.ptrs
-                and not any(map(_expired, marks.storages))):
+        """A look before a call: offer the watched inputs not seen before (a graph that writes first gives
+        each written input its own storage if any store shares it); return whether merged inputs still share
+        memory. A graph that only reads looks only while it sweeps (:meth:`_swept_all`)."""
+        if self._reads_only and self._swept_all(args):
             return True
-        if self._unshared(args, self._positions):
-            return False
-        marks = self._store.shared_marks(tensors)
-        if marks is not None:
-            if len(self._shared) >= _KEPT:
-                self._shared.clear()
-            self._shared[tuple(map(id, tensors))] = marks
-        return True
-
-    def intern_inputs(self, args: Sequence) -> bool:
-        """The per-call work: offer unseen watched inputs; return whether merged inputs still share memory."""
-        for position in self._written:  # empty for graphs that only read: the check costs them nothing
+        for position in self._written:
             if shared_anywhere(args[position]):  # shared since this graph last ran, by any store
                 release_shared(args[position])
-        for position in self._unshared(args, self._positions):
-            self._intern(position, args[position])
+        quiet = all([self._intern(position, args[position]) for position in self._unshared(args, self._positions)])
+        if self._reads_only:
+            self._quiet = self._quiet and quiet
+        return not self._merged or self._merged_hold(args)
+
+    def _swept_all(self, args: Sequence) -> bool:
+        """Whether this call may skip the look: the sweep under way looked at this block already (each block
+        is known by its first watched input), found nothing new, and nothing changed anywhere since it began.
+        Then the calls of the next 2, 4, ... up to ``_WIDEST`` rounds of blocks are skipped, this one first.
+        A sweep that found something new, or a change anywhere, begins a new sweep, from this call."""
+        block = id(args[self._positions[0]]) if self._positions else 0
+        epoch = EPOCH.now  # read before looking: a change while looking (our own offers too) sweeps again
+        if epoch != self._epoch:
+            self._epoch, self._swept, self._quiet, self._skip = epoch, set(), True, 0
+        elif block in self._swept:
+            if self._quiet:
+                self._rounds = min(2 * self._rounds, _WIDEST)
+                self._skip = self._rounds * len(self._swept) - 1
+                self._swept = set()
+                return True
+            self._rounds, self._swept, self._quiet = 1, set(), True  # something new: sweep again
+        self._swept.add(block)
+        return False
+
+    def _merged_hold(self, args: Sequence) -> bool:
+        """Whether each group of merged inputs still reads one memory."""
         for group in self._merged:
             ptr = memory_ptr(args[group[0]])
             for other in group[1:]:
@@ -137,10 +160,12 @@ class InterningCallable:
                     return False
         return True
 
-    def _intern(self, position: int, tensor: torch.Tensor) -> None:
+    def _intern(self, position: int, tensor: torch.Tensor) -> bool:
+        """Offer ``tensor`` unless refused before; return whether that was quiet: a refusal already known,
+        for a reason no later write undoes (one for content is looked at again on every call)."""
         rejected = self._rejected.get(id(tensor))
         if rejected is not None and rejected.matches(tensor):
-            return
+            return rejected.version is None
         how = self._watched[position]
         try:
             owner = find_owner(how.reach, tensor) if how.reach is not None else None
@@ -153,13 +178,14 @@ class InterningCallable:
             log.warning("rope_dedup: run-time interning of %s failed, left unshared: %r", how.path, error)
             counters["rope_dedup"]["intern_errors"] += 1
             self._reject(tensor)
-            return
+            return False
         if offer.action is Action.SKIP:
             self._reject(tensor, offer.refusal)
-            return
+            return False
         counters["rope_dedup"]["interned_at_runtime"] += 1
         if self._release_memory:
             release_if_freed(self._store, TRIM_THRESHOLD_BYTES)
+        return False
 
     def _reject(self, tensor: torch.Tensor, refusal: Refusal | None = None) -> None:
         if len(self._rejected) >= _KEPT:

@@ -160,7 +160,7 @@ def test_the_store_maps_memory_by_device_and_address() -> None:
 
 def test_threads_report_while_others_intern() -> None:
     """Reports built while other threads intern (regional compile, new blocks on every call) never see a
-    dict change size under them, and SharedMarks never read a freed weak reference."""
+    dict change size under them."""
     backend = RopeDedupBackend(inner="eager")
     errors: list[BaseException] = []
     stop = threading.Event()
@@ -193,19 +193,3 @@ def test_threads_report_while_others_intern() -> None:
         for thread in threads:
             thread.join(timeout=300)
     assert not errors, errors
-
-
-def test_shared_marks_hold_their_weak_references() -> None:
-    from rope_dedup.core.store import release_shared, shared_anywhere
-
-    store = CanonicalStore()
-    tables = [torch.outer(torch.arange(64.0), 1e4 ** -(torch.arange(0, 16, 2) / 16)).cos() for _ in range(2)]
-    for i, table in enumerate(tables):
-        store.offer(table, name=f"l{i}.cos")
-    marks = store.shared_marks(tables)
-    assert marks is not None and [ref.cdata for ref in marks.refs] == list(marks.storages)
-    release_shared(tables[1])
-    store._prune()
-    del tables
-    assert all(isinstance(torch.UntypedStorage._expired(cdata), bool) for cdata in marks.storages)
-    assert not shared_anywhere(torch.zeros(64, 8))

@@ -68,7 +68,7 @@ class TableCapture:
         sources = {node: (source_root(node), placeholder_origin(node).path) for node in gm.graph.nodes
                    if node.op == "placeholder"}
         compiled = self.backend(gm, example_inputs, **kwargs)
-        intern = getattr(compiled, "intern_inputs", None)  # the dry run still records tables seen at run time
+        intern = getattr(compiled, "check", None)  # the dry run still records tables seen at run time
 
         def run(*args: Any) -> Any:
             if intern is not None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 import sys
 from dataclasses import dataclass
+from types import FrameType
 from typing import Any, NamedTuple
 
 import torch.fx
@@ -159,7 +160,7 @@ def find_owner(reach: Reach, tensor: Any) -> tuple[torch.nn.Module, str] | None:
     """The module holding this very ``tensor`` under ``reach.attr``, found by replaying ``reach`` on the frames
     that called this one: the frame that runs a compiled graph holds the locals dynamo compiled it from
     (``self``: this block, under regional compile). None when no frame leads to a module holding it."""
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     for _ in range(_FRAMES_UP):
         if frame is None:
             break

@@ -28,7 +28,7 @@ import logging
 import threading
 import weakref
 from dataclasses import dataclass, field, replace
-from typing import NamedTuple, Sequence
+from typing import Sequence
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -49,6 +49,26 @@ _expired = torch.UntypedStorage._expired  # a storage's weak reference has no st
 # One lock for every store: a write protection or unshare() that reaches into every store (a table shared by
 # share() and written by another backend's graph) must not wait on two locks taken in opposite orders.
 _LOCK = threading.RLock()
+
+
+class Epoch:
+    """A count of every change that may alter what a compiled graph finds when it looks at its inputs: a
+    member joining or leaving any store, a tensor excluded, a buffer or parameter registered anywhere
+    (:mod:`rope_dedup.interning`). Graphs that found their inputs resolved at this count need not look
+    again while it stands."""
+
+    __slots__ = ("now",)
+
+    def __init__(self) -> None:
+        self.now = 0
+
+    def bump(self) -> None:
+        # No lock: dynamo traces this inside a forward that registers a buffer, and a lock is a graph break.
+        # Two bumps at once may collapse into one; either still moves the count, and graphs look at any move.
+        self.now += 1
+
+
+EPOCH = Epoch()
 # Tensors unshare() released, in every store: never shared again (id -> its mark and the refusal).
 _EXCLUDED: dict[int, tuple[TensorMark, Refusal]] = {}
 
@@ -70,19 +90,6 @@ class _Member:
 
     def __post_init__(self) -> None:
         self.storage_cdata = self.storage.cdata
-
-
-class SharedMarks(NamedTuple):
-    """Tensors found shared (see :meth:`CanonicalStore.shared_marks`): they still are while the store's
-    generation is this one, the same tensors (ids, impls) read the same memory, and no storage expired."""
-
-    generation: int
-    impls: tuple[int, ...]  # each tensor's _cdata
-    ptrs: tuple[int, ...]  # each tensor's data_ptr
-    storages: tuple[int, ...]  # the distinct storages they joined (weak addresses)
-    # The weak references behind ``storages``, held here: a member forgotten by another thread meanwhile
-    # would otherwise free its weak reference, and reading ``storages`` would read freed memory.
-    refs: tuple[StorageWeakRef, ...]
 
 
 @dataclass(eq=False)
@@ -131,8 +138,6 @@ class CanonicalStore:
         self._groups: list[_Group] = []
         self._members: dict[int, _Member] = {}  # id(tensor) -> member (checked against the tensor's impl)
         self._ptrs: dict[tuple[torch.device, int], _Group] = {}  # memory_key of a member -> its group
-        # Bumped whenever a member joins or leaves: SharedMarks of an earlier generation say nothing.
-        self.generation = 0
         self.skipped: dict[str, Refusal] = {}
         self._skipped_marks: dict[str, dict[tuple[int, int], TensorMark]] = {}  # name -> tensors skipped under it
         self._names: dict[str, int] = {}
@@ -166,19 +171,6 @@ class CanonicalStore:
                     tensor.data_ptr() if member.plain else memory_ptr(tensor)):
                 found.append(position)
         return found
-
-    def shared_marks(self, tensors: Sequence[torch.Tensor]) -> SharedMarks | None:
-        """What makes :meth:`unshared` empty for ``tensors``, for a caller to compare on later calls without
-        the store's tables: ``None`` unless each is a plain shared member (a DTensor's memory is not its own
-        data_ptr)."""
-        if self.unshared(tensors, range(len(tensors))):
-            return None
-        members = [self._members[id(tensor)] for tensor in tensors]
-        if not all(m.plain for m in members):
-            return None
-        refs = tuple({m.storage_cdata: m.storage for m in members}.values())
-        return SharedMarks(self.generation, tuple(m.impl for m in members), tuple(m.ptr for m in members),
-                           tuple(ref.cdata for ref in refs), refs)
 
     def member(self, tensor: torch.Tensor) -> _Member | None:
         """The record of ``tensor`` if it is a member of a group (this very tensor, not an equal one).
@@ -331,7 +323,7 @@ class CanonicalStore:
             member.owner, member.attr = weakref.ref(owner[0]), owner[1]
         group.members[member.ident] = member
         self._members[member.ident] = member
-        self.generation += 1
+        EPOCH.bump()
         self._ptrs[(mine.device, member.ptr)] = group
         self.skipped.pop(name, None)
         self._skipped_marks.pop(name, None)
@@ -343,7 +335,7 @@ class CanonicalStore:
         del group.members[member.ident]
         if self._members.get(member.ident) is member:
             del self._members[member.ident]
-        self.generation += 1
+        EPOCH.bump()
         if departed:
             base = base_name(member.name)
             count, _ = self._departed.get(base, (0, group.key))
@@ -518,6 +510,7 @@ def exclude(tensor: torch.Tensor, reason: Refusal) -> None:
     """Never share ``tensor`` again, in any store, for ``reason`` (marked with the storage it has now)."""
     with _LOCK:
         _EXCLUDED[id(tensor)] = (TensorMark(tensor), reason)
+        EPOCH.bump()
 
 
 def live_stores() -> list[CanonicalStore]:
