@@ -610,3 +610,16 @@ def test_layouts_and_scalings_are_typed_values_that_read_as_their_names() -> Non
     assert found.layout.arrangement is Arrangement.COLUMNS and found.layout.single is Part.COS
     assert found.layout.repeat is Repeat.HALVES
     assert infer_key(found, cached).scaling.linear_factor == 4.0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(2, 4), (3, 4), (8, 4), (16, 8), (64, 8)])
+def test_positions_broadcast_over_columns_are_not_rope(shape: tuple[int, int], dtype: torch.dtype) -> None:
+    """An expanded ``position_ids`` (or any ramp) fits an angle table, and two rows of 0 and 1 fit sin
+    tables, but every column turns at one rate: RoPE's frequencies fall geometrically."""
+    for step in (1.0, 0.5, 1e-3):
+        ramp = (torch.arange(shape[0], dtype=torch.float32)[:, None] * torch.full(shape, step)).to(dtype)
+        assert isinstance(recognize_rope_table(ramp), NotRope), step
+    steps = torch.zeros(shape, dtype=dtype)
+    steps[1:] = 1.0
+    assert isinstance(recognize_rope_table(steps), NotRope)

@@ -302,11 +302,17 @@ def _from_parts(layout: Layout, parts: dict[Part, torch.Tensor], eps: float) -> 
         reliable, rough = freqs > 0, True
     if int(reliable.sum()) < 2:
         return NotRope("fewer than 2 frequencies move measurably: constant, or too short to identify")
+    freq_tol = noise / (length - 1) + _ANGLE_REL_ERR * freqs
+    # RoPE's frequencies fall geometrically (theta ** (-2i / d)); columns that all turn at one rate are
+    # positions broadcast over a row (an expanded position_ids, a ramp), whatever their layout fits.
+    moving = freqs[reliable]
+    if bool(((moving - moving[0]).abs() <= freq_tol[reliable]).all()):
+        return NotRope("every column turns at the same rate: positions, not RoPE frequencies")
     return RopeTable(
         layout=layout,
         freqs=freqs,
         reliable=reliable,
-        freq_tol=noise / (length - 1) + _ANGLE_REL_ERR * freqs,
+        freq_tol=freq_tol,
         amplitude=amplitude,
         length=length,
         rough=rough,
