@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import signal
+import sys
 
 import pytest
 import torch
@@ -108,11 +109,33 @@ def test_eager_sharing_targets() -> None:
     eager = {"peak_rss_build": 1120, "rss_before_build": 100, "param_bytes": 20, "rope_bytes": 1, "ideal_bytes": 1,
              "intern_overhead": None}
     sharing = dict(eager, peak_rss_build=170)
-    share = dict(eager, rope_bytes_before=1000, rope_bytes=100, rss_before_first_call=1000, rss_after_share=300,
-                 share_s=0.1)
+    mib = 1 << 20
+    share = dict(eager, rope_bytes_before=1000 * mib, rope_bytes=100 * mib, rss_before_first_call=1000 * mib,
+                 rss_after_share=300 * mib, share_s=0.1)
     summary = prof.summarize({"eager": eager, "sharing": sharing, "share": share})
     assert summary["sharing_build_growth_vs_eager"] == pytest.approx(0.05)
     assert summary["share_rss_freed_vs_tables_freed"] == pytest.approx(700 / 900)
+    # Tables too small for RSS to tell: no ratio (and no verdict), rather than noise.
+    tiny = dict(share, rope_bytes_before=1000, rope_bytes=100, rss_before_first_call=1000, rss_after_share=5000)
+    assert "share_rss_freed_vs_tables_freed" not in prof.summarize({"eager": eager, "share": tiny})
     rows = {label: met for label, _, _, _, met in prof.check_targets(summary)}
     assert rows["build peak growth beyond parameters, sharing() / plain"]
     assert rows["RSS freed by share() / table bytes freed"]
+
+
+def test_every_mode_has_its_own_label_whatever_the_inner_backend() -> None:
+    modes = ("eager", "compile", "rope_dedup", "regional", "share", "sharing")
+    for inner in ("inductor", "aot_eager", "eager"):
+        labels = [prof.mode_label(mode, inner) for mode in modes]
+        assert len(set(labels)) == len(labels), labels
+
+
+def test_allocator_peak_keeps_stderr_free_of_the_profiler_usdt_lines(capfd) -> None:
+    """Kineto writes a USDT line at each profiler start and stop, beneath Python; other lines stay."""
+    def allocate() -> None:
+        torch.ones(1024, device="cpu")
+        print("a line of the measured code", file=sys.stderr)
+
+    assert prof.allocator_peak(allocate) == 4096
+    err = capfd.readouterr().err
+    assert "USDT" not in err and "a line of the measured code" in err

@@ -16,6 +16,7 @@ how a failure is shown.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
@@ -31,10 +32,11 @@ import timeit
 import traceback
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
+from rope_dedup.core.memory import TRIM_THRESHOLD_BYTES
 from rope_dedup.testing import toy_decoder as toy
 from rope_dedup.tools.factories import build as build_from_factory, one_line
 from rope_dedup.tensors import same_values
@@ -162,13 +164,33 @@ def allocator_peak(fn: Callable[[], Any]) -> int:
     records (every allocation and free, on CPU as on CUDA): a transient that RSS would hide in the heap."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as recorded:
+    with _without_usdt_lines(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as recorded:
         fn()
     with tempfile.NamedTemporaryFile(suffix=".json") as trace:
         recorded.export_chrome_trace(trace.name)
         events = json.loads(Path(trace.name).read_text())["traceEvents"]
     sizes = [e["args"]["Bytes"] for e in sorted(events, key=lambda e: e["ts"]) if e.get("name") == "[memory]"]
     return max(itertools.accumulate(sizes, initial=0))
+
+
+@contextlib.contextmanager
+def _without_usdt_lines() -> Iterator[None]:
+    """Kineto writes a ``USDT:`` line to the process's stderr (file descriptor 2, beneath Python) as the
+    profiler starts and stops, whatever ``KINETO_LOG_LEVEL`` says: catch fd 2 meanwhile and write back every
+    other line."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as caught:
+        os.dup2(caught.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            caught.seek(0)
+            lines = caught.read().decode(errors="replace").splitlines(keepends=True)
+            sys.stderr.write("".join(line for line in lines if not line.startswith("USDT:")))
 
 
 def _max_rss() -> int:
@@ -272,30 +294,41 @@ def training_loss(output: Any) -> torch.Tensor:
 
 
 def _interning_cost(capture: _Capture, step: Callable[[], Any]) -> tuple[float, int] | None:
-    """(seconds per call of the steady-state ``check``, calls per step), or None if nothing interns."""
+    """(seconds rope_dedup's wrapper adds to a call at steady state, graph calls per step), or None if
+    nothing interns. The wrapper's own time, with the graph made a no-op, over enough calls that the looks
+    of its schedule count in proportion (a graph that only reads looks at one call in 64 once settled)."""
     from rope_dedup.interning import InterningCallable
 
     interning = [(fn, args) for fn, args in capture.compiled if isinstance(fn, InterningCallable)]
     if not interning:
         return None
     calls = {id(fn): 0 for fn, _ in interning}
-    for fn, _ in interning:  # every call checks its inputs once: count those during one step, then put it back
-        def counted(args, fn=fn, original=fn.check):
+    graphs = {id(fn): fn._compiled for fn, _ in interning}
+    for fn, _ in interning:  # count the graph calls of one step, then put each graph back
+        def counted(*args: Any, fn: InterningCallable = fn) -> Any:
             calls[id(fn)] += 1
-            return original(args)
-        fn.check = counted  # type: ignore[method-assign]
+            return graphs[id(fn)](*args)
+        fn._compiled = counted
     try:
         step()
     finally:
         for fn, _ in interning:
-            del fn.check
-    number = 1000
+            fn._compiled = graphs[id(fn)]
+    number = 12800  # 200 periods of the widest schedule (64 calls)
     seconds = 0.0
     for fn, args in interning:
-        runs = timeit.repeat(lambda: fn.check(args), number=number, repeat=5)
+        fn._compiled = _no_graph
+        try:
+            runs = timeit.repeat(lambda: fn(*args), number=number, repeat=5)
+        finally:
+            fn._compiled = graphs[id(fn)]
         seconds += statistics.median(runs) / number * calls[id(fn)]
     total_calls = sum(calls.values())
     return (seconds / total_calls if total_calls else 0.0), total_calls
+
+
+def _no_graph(*args: Any) -> None:
+    """Stands for a compiled graph while the wrapper around it is timed."""
 
 
 def _simulated_oom(mode: str, device: str) -> None:
@@ -514,11 +547,17 @@ def summarize(results: dict[str, dict]) -> dict[str, Any]:
         summary["sharing_build_growth_vs_eager"] = build_growth(built) / build_growth(eager)  # type: ignore[operator]
     if shared and shared["rss_after_share"] is not None and shared["rope_bytes_before"] > shared["rope_bytes"]:
         freed = shared["rope_bytes_before"] - shared["rope_bytes"]
-        rss_freed = shared["rss_before_first_call"] - shared["rss_after_share"]
-        summary["share_rss_freed_vs_tables_freed"] = rss_freed / freed
+        if freed >= RSS_READABLE_BYTES:
+            rss_freed = shared["rss_before_first_call"] - shared["rss_after_share"]
+            summary["share_rss_freed_vs_tables_freed"] = rss_freed / freed
         summary["share_seconds_per_gb"] = shared["share_s"] / (shared["rope_bytes_before"] / 1e9)
     return summary
 
+
+# Table bytes share() must free before RSS can tell: below this, pages and the heap (a freed block below
+# glibc's mmap threshold stays in it until a trim, which share() makes only past this much) move RSS by
+# more than the tables do, and the ratio is left out rather than printed as noise.
+RSS_READABLE_BYTES = TRIM_THRESHOLD_BYTES
 
 # The pass may raise the first call's peak by at most this much more than the compile alone does: its own
 # copies (recognition, the graph copy) must stay small beside the tables it shares.
@@ -567,8 +606,9 @@ def check_targets(summary: dict[str, Any]) -> list[tuple[str, float, float, str,
 
 
 def mode_label(mode: str, inner: str) -> str:
-    """How a mode is shown: ``compile`` is named after its backend (rope_dedup modes compile with it too)."""
-    return {"eager": "eager", "compile": inner, "rope_dedup": "rope_dedup", "regional": "rope_dedup regional",
+    """How a mode is shown: ``compile`` is named after its backend (rope_dedup modes compile with it too),
+    and told from the ``eager`` mode when that backend is ``eager``."""
+    return {"eager": "eager", "compile": "compiled, eager" if inner == "eager" else inner, "rope_dedup": "rope_dedup", "regional": "rope_dedup regional",
             "share": "eager + share()", "sharing": "eager, sharing() build"}[mode]
 
 

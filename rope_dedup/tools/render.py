@@ -125,9 +125,9 @@ def _time_table(ok: dict[str, dict], inner: str, train: bool) -> Table:
     return Table("Time", ("mode", "1st call s", "step ms", "min ms", "pass s", "intern µs", "calls", "÷ step"),
                  tuple(rows),
                  f"1st call: compiling included; step: {step}, median; min: the fastest step; pass: rope_dedup's "
-                 f"passes and graph copy (share mode: the share() call); intern: the per-call storage check of the "
-                 f"compiled callable (InterningCallable.check), per call; calls: checks per step; "
-                 f"÷ step: interning's share of the step.")
+                 f"passes and graph copy (share mode: the share() call); intern: what rope_dedup's wrapper of a "
+                 f"compiled graph adds to a call (its looks at the RoPE inputs, on their schedule), per call; "
+                 f"calls: graph calls per step; ÷ step: interning's share of the step.")
 
 
 def _targets_table(targets: list[dict], summary: dict[str, Any], inner: str) -> Table:
