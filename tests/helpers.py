@@ -54,3 +54,15 @@ def unwrap(model: nn.Module, blocks: Blocks = toy_blocks) -> nn.Module:
 def rope_storages(model: nn.Module) -> int:
     """Unique storages behind the toy model's RoPE tables (by construction, not by recognition)."""
     return unique_storages([t for _, t in rope_tensors(model)])[0]
+
+
+class WritesItsTable(nn.Module):
+    """Scales its block's own cos in place before running it: a graph that writes a table."""
+
+    def __init__(self, block: nn.Module) -> None:
+        super().__init__()
+        self.block = block
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.block.attention.rope.cos.mul_(1.0001)
+        return self.block(x)

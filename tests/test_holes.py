@@ -10,6 +10,7 @@ import warnings
 
 import pytest
 import torch
+from helpers import WritesItsTable
 
 import rope_dedup
 from rope_dedup import RopeDedupBackend
@@ -25,18 +26,6 @@ TOKENS = torch.randint(0, 64, (1, 8), generator=torch.Generator().manual_seed(0)
 
 def storages(model: torch.nn.Module) -> int:
     return unique_storages([t for _, t in rope_tensors(model)])[0]
-
-
-class WritesItsTable(torch.nn.Module):
-    """A block whose forward scales its own cos in place before running: a graph that writes a table."""
-
-    def __init__(self, block: torch.nn.Module) -> None:
-        super().__init__()
-        self.block = block
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.block.attention.rope.cos.mul_(1.0001)
-        return self.block(x)
 
 
 def writing_model() -> ToyDecoder:

@@ -10,7 +10,7 @@ import gc
 
 import pytest
 import torch
-from helpers import build, compile_model, rope_storages
+from helpers import WritesItsTable, build, compile_model, rope_storages
 from torch._dynamo.utils import counters
 from rope_dedup.testing.toy_decoder import homogeneous, local_global
 
@@ -170,18 +170,6 @@ def test_a_settled_graph_that_only_reads_looks_on_few_calls(way: str, monkeypatc
             model(TOKENS)
     calls = 200 * (len(SPECS) if way == "regional" else 1)  # whole: one graph call a step
     assert 0 < len(looks) <= calls // 16, (len(looks), calls)
-
-
-class WritesItsTable(torch.nn.Module):
-    """Scales its own cos in place before running the block: a graph that writes a table."""
-
-    def __init__(self, block: torch.nn.Module) -> None:
-        super().__init__()
-        self.block = block
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.block.attention.rope.cos.mul_(1.0001)
-        return self.block(x)
 
 
 def test_a_whole_graph_that_writes_a_table_checks_every_call() -> None:
