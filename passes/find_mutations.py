@@ -196,9 +196,9 @@ def _hop_writes(user: torch.fx.Node, value: torch.fx.Node) -> str | None:
                        None)
             return None if how is None else f"passed to higher-order op {op_name(user)!r}, whose body writes it ({how})"
     for body in bodies.values():  # operands not matched to the body's inputs: any input written may be this one
-        written = next((how for node, how in find_mutations(body).items() if node.op == "placeholder"), None)
-        if written is not None:
-            return f"passed to higher-order op {op_name(user)!r}, whose body writes an input ({written})"
+        input_write = next((how for node, how in find_mutations(body).items() if node.op == "placeholder"), None)
+        if input_write is not None:
+            return f"passed to higher-order op {op_name(user)!r}, whose body writes an input ({input_write})"
     return None
 
 
