@@ -296,7 +296,8 @@ def training_loss(output: Any) -> torch.Tensor:
 def _interning_cost(capture: _Capture, step: Callable[[], Any]) -> tuple[float, int] | None:
     """(seconds rope_dedup's wrapper adds to a call at steady state, graph calls per step), or None if
     nothing interns. The wrapper's own time, with the graph made a no-op, over enough calls that the looks
-    of its schedule count in proportion (a graph that only reads looks at one call in 64 once settled)."""
+    of its schedule count in proportion (a graph that only reads looks at one call in 64 once settled),
+    less the time of calling that no-op graph directly, as dynamo would without the wrapper."""
     from rope_dedup.interning import InterningCallable
 
     interning = [(fn, args) for fn, args in capture.compiled if isinstance(fn, InterningCallable)]
@@ -322,7 +323,9 @@ def _interning_cost(capture: _Capture, step: Callable[[], Any]) -> tuple[float, 
             runs = timeit.repeat(lambda: fn(*args), number=number, repeat=5)
         finally:
             fn._compiled = graphs[id(fn)]
-        seconds += statistics.median(runs) / number * calls[id(fn)]
+        # Less the call the graph gets without the wrapper: what remains is the wrapper's own.
+        bare = timeit.repeat(lambda: _no_graph(*args), number=number, repeat=5)
+        seconds += max(0.0, statistics.median(runs) - statistics.median(bare)) / number * calls[id(fn)]
     total_calls = sum(calls.values())
     return (seconds / total_calls if total_calls else 0.0), total_calls
 
