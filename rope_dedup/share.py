@@ -28,8 +28,10 @@ from rope_dedup.core.reload import guard_reload
 from rope_dedup.core.report import DedupReport, Skip
 from rope_dedup.tensors import Origin, module_state
 from rope_dedup.core.store import Action, CanonicalStore, Plan
+from rope_dedup.recompute import RecomputedTable, recompute_tables
 
 _SETTINGS = ("share_persistent", "dry_run", "release_memory")
+TABLES = ("share", "recompute")  # share(tables=...): one storage per key, or no table at all where exact
 
 
 def _store(backend: RopeDedupBackend | None, settings: dict[str, Any]) -> tuple[RopeDedupBackend, CanonicalStore,
@@ -66,7 +68,8 @@ def _offer(store: CanonicalStore, tensor: torch.Tensor, name: str, persistent: b
     return plan
 
 
-def share(*models: torch.nn.Module, backend: RopeDedupBackend | None = None, **settings: Any) -> DedupReport:
+def share(*models: torch.nn.Module, backend: RopeDedupBackend | None = None, tables: str = "share",
+          **settings: Any) -> DedupReport:
     """Share identical RoPE tables of ``models`` in place, with no compile and no change to model code.
 
     Every parameter, buffer and plain tensor attribute (``inv_freq`` included) is offered to ``backend``'s
@@ -76,16 +79,26 @@ def share(*models: torch.nn.Module, backend: RopeDedupBackend | None = None, **s
     A second call changes nothing: the report's ``newly_shared`` is then empty. Tables still on the meta
     device are skipped (share after they are initialized), and so are partly filled caches. Returns the
     report of the store, with members named by their path in the first model.
+
+    ``tables="recompute"`` keeps no table at all where it can: each table a recipe reproduces bit for bit
+    becomes a :class:`~rope_dedup.recompute.RecomputedTable`, which computes the rows a read reads from
+    one frequency vector per key (``report.recomputed``); the others are shared as above, each with its
+    reason in ``report.skipped``.
     """
+    if tables not in TABLES:
+        raise ValueError(f"tables must be one of {', '.join(map(repr, TABLES))}, got {tables!r}")
     if not models:
         raise TypeError("share() needs at least one nn.Module")
     for model in models:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"share() takes nn.Module objects, got {type(model).__name__}: {model!r:.80}")
     backend, store, release = _store(backend, settings)
+    conversion = recompute_tables(*models, dry_run=store.dry_run) if tables == "recompute" else None
     newly: list[str] = []
     for model in models:
         for path, tensor, _, persistent, module in module_state(model):
+            if isinstance(tensor, RecomputedTable):  # holds no values: nothing to share
+                continue
             if _offer(store, tensor, path, persistent, (module, path.rpartition(".")[2])).action is Action.JOIN:
                 newly.append(path)
             if persistent:
@@ -93,7 +106,11 @@ def share(*models: torch.nn.Module, backend: RopeDedupBackend | None = None, **s
     if release and not store.dry_run:
         release_if_freed(store)
     report = backend.report_for(models[0])
-    return dataclasses.replace(report, newly_shared=newly)
+    if conversion is None:
+        return dataclasses.replace(report, newly_shared=newly)
+    not_exact = [Skip(path, refusal) for path, refusal in conversion.kept if refusal.reason is SkipReason.NOT_EXACT]
+    return dataclasses.replace(report, newly_shared=newly, recomputed=conversion.recomputed,
+                               recomputed_bytes=conversion.vector_bytes, skipped=report.skipped + not_exact)
 
 
 class sharing:  # noqa: N801 (used as a context manager, like torch.no_grad)

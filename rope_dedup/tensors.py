@@ -84,14 +84,15 @@ def readable(tensor: torch.Tensor) -> bool:
 def same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Bitwise equality: only tables of the very same bits share. ``torch.equal`` counts -0.0 equal to +0.0
     (and NaN unequal to itself), so floating and complex values are compared as integers of their width."""
-    return torch.equal(_bits(a), _bits(b))
+    return torch.equal(bits(a), bits(b))
 
 
 # Integer dtypes as wide as each floating element: a view of a table's bits, no copy.
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def _bits(tensor: torch.Tensor) -> torch.Tensor:
+def bits(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor's bits as integers of its element's width (complex: real and imaginary parts), a view."""
     if tensor.is_complex():
         tensor = torch.view_as_real(tensor)
     return tensor.view(_BITS[tensor.element_size()]) if tensor.is_floating_point() else tensor

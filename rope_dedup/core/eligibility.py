@@ -35,8 +35,14 @@ class SkipReason(enum.Enum):
                "written; compile, or share() once it is full")
     UNSEEN_ATTRIBUTE = ("plain tensor attribute: buffer registration hooks do not see it while the model is built; "
                         "rope_dedup.share(model) after the build reaches it")
+    RECOMPUTED = "recomputed where it is read (share(model, tables=\"recompute\")): it holds no table to share"
+    NOT_EXACT = "not recomputed ({detail}): it keeps its values"
     UNGUARDED = ("in the state_dict, and the module holding it could not be found to guard load_state_dict: kept "
                  "apart, since a reload copies into it in place and would write every table it shared")
+
+
+# Tensor types that stand for a table without holding one (rope_dedup.recompute adds its RecomputedTable).
+NO_TABLE: set[type] = set()
 
 
 @dataclass(frozen=True)
@@ -70,6 +76,8 @@ def why_not_shareable(tensor: torch.Tensor, written: str | None, persistent: boo
     tensor is saved in its module's ``state_dict`` (a persistent buffer or a parameter), which is
     shared only when ``share_persistent`` opts in.
     """
+    if type(tensor) in NO_TABLE:
+        return Refusal(SkipReason.RECOMPUTED)
     if isinstance(tensor, torch.nn.Parameter) and tensor.requires_grad:
         return Refusal(SkipReason.TRAINABLE)
     if tensor.requires_grad:

@@ -69,6 +69,16 @@ class Departed:
 
 
 @dataclass(frozen=True)
+class Recomputed:
+    """A table that holds no values any more: ``share(model, tables="recompute")`` computes its rows where
+    they are read. ``table_bytes``: what its storage held."""
+
+    path: str
+    key: RopeKey
+    table_bytes: int
+
+
+@dataclass(frozen=True)
 class DedupReport:
     """Every RoPE table seen, grouped by shared storage, plus every skipped tensor with its reason."""
 
@@ -78,6 +88,8 @@ class DedupReport:
     departed: list[Departed] = field(default_factory=list)  # shared, then freed, and not shared again
     pass_seconds: dict[str, float] = field(default_factory=dict)  # pass name -> seconds, all graphs together
     newly_shared: list[str] | None = None  # rope_dedup.share(): the paths this call shared (None: not a share())
+    recomputed: list[Recomputed] = field(default_factory=list)  # share(tables="recompute"): tables with no values
+    recomputed_bytes: int = 0  # what those tables hold instead: their distinct frequency vectors
 
     @property
     def bytes_before(self) -> int:
@@ -176,10 +188,16 @@ class DedupReport:
             if gone:
                 lines.append(f"  freed: the owner dropped or replaced it (report_for(model) tells which): "
                              f"{_listed(gone)}")
+        if self.recomputed:
+            before = format_bytes(sum(r.table_bytes for r in self.recomputed))
+            lines.append(f"recomputed {len(self.recomputed)} table(s), rows computed where they are read: {before} "
+                         f"of tables -> {format_bytes(self.recomputed_bytes)} of frequency vectors: "
+                         f"{_listed([r.path for r in self.recomputed])}")
         if self.newly_shared is not None:
             lines.append(f"this share() call shared {len(self.newly_shared)} tensor(s)" if self.newly_shared else
-                         "this share() call shared nothing new: every RoPE table was already shared or skipped")
-        if not self.groups and not self.errors:
+                         "this share() call shared nothing new: every RoPE table was already shared, recomputed "
+                         "or skipped")
+        if not self.groups and not self.errors and not self.recomputed:
             lines.append("no RoPE table found")
         if self.pass_seconds:
             lines.append("pass time: " + ", ".join(f"{name} {s:.3f} s" for name, s in self.pass_seconds.items()))

@@ -1,0 +1,129 @@
+"""Put recomputed tables in a model's place: every recognized table whose recipe is exact.
+
+Each table a module holds (buffer or plain attribute) is recognized, keyed, and searched for a recipe that
+reproduces it bit for bit; one that has one is replaced by a :class:`RecomputedTable`, and tables with equal
+recipes use one frequency vector. What cannot be converted keeps its values and says why, so the caller can
+share it instead. A persistent table stays in the ``state_dict`` under its key, with its values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from rope_dedup.core.eligibility import Refusal, SkipReason, why_not_shareable
+from rope_dedup.core.report import Recomputed
+from rope_dedup.recompute.recipe import Recipe, find_recipe
+from rope_dedup.recompute.table import RecomputedTable, _State
+from rope_dedup.tables.keys import infer_key
+from rope_dedup.tables.recognize import RopeTable, recognize_rope_table
+from rope_dedup.tensors import Origin, module_state, same_values, storage_nbytes
+
+
+@dataclass
+class Conversion:
+    """What one :func:`recompute_tables` call did: tables converted, and tables left as they were, with why."""
+
+    recomputed: list[Recomputed]
+    kept: list[tuple[str, Refusal]]
+    vector_bytes: int  # what the recomputed tables hold between them: their distinct frequency vectors
+
+
+def recompute_tables(*models: torch.nn.Module, dry_run: bool = False) -> Conversion:
+    """Replace every recognized RoPE table of ``models`` by a :class:`RecomputedTable` where a recipe gives
+    its bits exactly; tables of equal recipes share one frequency vector. Already converted tables count again
+    in the result and change nothing."""
+    done: list[Recomputed] = []
+    kept: list[tuple[str, Refusal]] = []
+    vectors: dict[tuple, torch.Tensor] = {}  # (recipe context, device, inv_freq bits) -> the vector to use
+    by_storage: dict[tuple, Recipe] = {}  # tables already found, by where their values live
+    hooked: set[int] = set()
+    for model in models:
+        for path, tensor, origin, persistent, module in module_state(model):
+            if isinstance(tensor, RecomputedTable):
+                if not tensor.is_recomputed:
+                    kept.append((path, Refusal(SkipReason.NOT_EXACT, f"written in place by {tensor.state.written_by} "
+                                                                     f"after it was recomputed")))
+                elif tensor.state.key is not None:
+                    done.append(Recomputed(path, tensor.state.key, tensor.nbytes))
+                continue
+            found = recognize_rope_table(tensor) if origin is not Origin.PARAMETER or not tensor.requires_grad \
+                else None
+            if not isinstance(found, RopeTable) or found.length is None:
+                continue
+            key = infer_key(found, tensor)
+            refusal = _refusal(tensor, origin)
+            if refusal is None:
+                where = (tensor.device, tensor.untyped_storage().data_ptr(), tensor.storage_offset(),
+                         tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype)
+                recipe = by_storage.get(where)
+                if recipe is None:
+                    searched = find_recipe(tensor, found, key.theta, key.dim)
+                    if isinstance(searched, str):
+                        refusal = Refusal(SkipReason.NOT_EXACT, searched)
+                    else:
+                        recipe = by_storage[where] = _one_vector(searched, vectors)
+            if refusal is not None:
+                kept.append((path, refusal))
+                continue
+            assert recipe is not None
+            done.append(Recomputed(path, key, storage_nbytes(tensor)))
+            if dry_run:
+                continue
+            name = path.rpartition(".")[2]
+            replacement = RecomputedTable(recipe, _State(path, key=key))
+            if name in module._buffers:
+                module._buffers[name] = replacement
+                if persistent and id(module) not in hooked:
+                    hooked.add(id(module))
+                    module._register_state_dict_hook(_values_in_state_dict)
+            else:
+                setattr(module, name, replacement)
+    vectors_held = {(t.inv_freq.device, t.inv_freq.untyped_storage().data_ptr()): t.inv_freq.untyped_storage().nbytes()
+                    for model in models for _, t, _, _, _ in module_state(model)
+                    if isinstance(t, RecomputedTable) and t.is_recomputed}
+    return Conversion(done, kept, sum(vectors_held.values()))
+
+
+def _refusal(tensor: torch.Tensor, origin: Origin) -> Refusal | None:
+    """Why a table keeps its values: the sharing rules (trainable, sharded, meta, freed ...), and parameters.
+    A persistent table is converted: its state_dict entry holds its values (:func:`_values_in_state_dict`)."""
+    if origin is Origin.PARAMETER:
+        return Refusal(SkipReason.NOT_EXACT, "a parameter: only buffers and plain attributes are recomputed")
+    return why_not_shareable(tensor, None)
+
+
+def _one_vector(recipe: Recipe, vectors: dict[tuple, torch.Tensor]) -> Recipe:
+    """The recipe with an earlier recipe's frequency vector of the same bits, if any: one vector per key (a
+    key's cos and sin tables, and its tables in other layouts, use one)."""
+    bits = recipe.inv_freq.view(torch.int32).cpu()
+    ident = (recipe.inv_freq.device, tuple(bits.tolist()))
+    known = vectors.get(ident)
+    if known is not None and same_values(known, recipe.inv_freq):
+        return recipe.with_inv_freq(known)
+    vectors[ident] = recipe.inv_freq
+    return recipe
+
+
+def _values_in_state_dict(module: torch.nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
+    """A checkpoint holds a recomputed table's values, not the recipe: it loads anywhere, as before."""
+    for name, buffer in module._buffers.items():
+        key = prefix + name
+        if isinstance(buffer, RecomputedTable) and key in state_dict:
+            state_dict[key] = buffer.values()
+
+
+def restore_values(model: torch.nn.Module) -> list[str]:
+    """Put back a plain tensor holding its values in place of each recomputed table of ``model``; the paths."""
+    paths = []
+    for path, tensor, _, _, module in module_state(model):
+        if isinstance(tensor, RecomputedTable):
+            name = path.rpartition(".")[2]
+            values = tensor.values().clone() if tensor.is_recomputed else tensor.values()
+            if name in module._buffers:
+                module._buffers[name] = values
+            else:
+                setattr(module, name, values)
+            paths.append(path)
+    return paths

@@ -1,0 +1,315 @@
+"""``share(model, tables="recompute")``: tables replaced by the computation of the rows read, bit for bit.
+
+Each test holds a converted model against an unconverted twin with the same weights: outputs must be bitwise
+equal in eager and under aot_eager, and every table found is either recomputed or kept with its reason.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import pickle
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch._dynamo.utils import counters
+
+import rope_dedup
+from rope_dedup.core.eligibility import SkipReason
+from rope_dedup.recompute import RecomputedTable
+from rope_dedup.recompute.recipe import Recipe
+from rope_dedup.testing.toy_decoder import TableRecipe, ToyDecoder, homogeneous, local_global, rope_tensors
+
+TOKENS = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+
+SPECS = {
+    "cos_sin": dict(layout="cos_sin"),
+    "hf_halves": dict(layout="hf_halves"),
+    "titan_cos_sin": dict(layout="titan_cos_sin"),
+    "complex": dict(layout="complex"),
+    "stacked": dict(layout="stacked"),
+    "gptj": dict(layout="gptj"),
+    "partial": dict(layout="cos_sin", rotary_dim=8),
+    "linear": dict(layout="hf_halves", scaling="linear", max_len=512),
+    "llama3": dict(layout="hf_halves", scaling="llama3", max_len=512),
+    "yarn": dict(layout="hf_halves", scaling="yarn", max_len=512),
+    "ntk": dict(layout="cos_sin", scaling="ntk"),
+    "matmul": dict(layout="cos_sin", route="matmul"),
+    "float64 angles": dict(layout="cos_sin", route="float64"),
+    "bf16 from f32": dict(layout="hf_halves", dtype=torch.bfloat16),
+    "fp16 from f32": dict(layout="cos_sin", dtype=torch.float16),
+    "complex32": dict(layout="complex", dtype=torch.float16),
+    "theta 1e6": dict(layout="cos_sin", theta=1e6, max_len=4096),
+}
+
+
+def twins(specs: list[TableRecipe]) -> tuple[nn.Module, nn.Module]:
+    torch.manual_seed(0)
+    model = ToyDecoder(specs).eval()
+    return model, copy.deepcopy(model)
+
+
+def tables(model: nn.Module) -> list[torch.Tensor]:
+    return [t for _, t in rope_tensors(model)]
+
+
+@pytest.mark.parametrize("spec", SPECS.values(), ids=SPECS.keys())
+def test_every_layout_and_scaling_is_recomputed_bit_for_bit(spec):
+    model, twin = twins(homogeneous(3, **spec))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no whole-table computation on the way: only rows read
+        report = rope_dedup.share(model, tables="recompute")
+        out = model(TOKENS)
+    assert torch.equal(out, twin(TOKENS))
+    assert tables(model) and all(isinstance(t, RecomputedTable) and t.is_recomputed for t in tables(model))
+    assert len(report.recomputed) == len(tables(model))
+    assert report.recomputed_bytes <= 1024  # one frequency vector per key, nothing else
+    assert not [s for s in report.skipped if s.kind is SkipReason.NOT_EXACT]
+
+
+def test_local_global_keys_each_get_their_vector_and_values():
+    model, twin = twins(local_global(6, layout="hf_halves"))
+    report = rope_dedup.share(model, tables="recompute")
+    vectors = {t.inv_freq.untyped_storage().data_ptr() for t in tables(model)}
+    assert len(vectors) == 2  # local and global theta; cos and sin of one key read one vector
+    assert report.recomputed_bytes == 2 * 8 * 4
+    assert {r.key.theta for r in report.recomputed} == {1e4, 1e6}
+    assert torch.equal(model(TOKENS), twin(TOKENS))
+
+
+class Reader(nn.Module):
+    """Holds one long table and reads it the ways model code does."""
+
+    def __init__(self, length: int = 1 << 16, dim: int = 32, shape: tuple[int, ...] | None = None) -> None:
+        super().__init__()
+        inv_freq = 1.0 / (10000.0 ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+        cos = torch.outer(torch.arange(length, dtype=torch.float32), inv_freq).cos()
+        self.register_buffer("cos", cos if shape is None else cos.reshape(shape), persistent=False)
+
+
+@pytest.fixture
+def computed_rows(monkeypatch):
+    """Positions each computation of rows computed, in order."""
+    seen: list[int] = []
+    rows = Recipe.rows
+
+    def spy(self, positions):
+        seen.append(positions.numel())
+        return rows(self, positions)
+
+    monkeypatch.setattr(Recipe, "rows", spy)
+    return seen
+
+
+def test_reads_compute_only_the_rows_read(computed_rows):
+    model = Reader()
+    values = model.cos.clone()
+    rope_dedup.share(model, tables="recompute")
+    table = model.cos
+    positions = torch.tensor([[3, 70000 - 8000, 5], [1, 2, 65535]])
+    computed_rows.clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        reads = {
+            "slice": (table[:8], values[:8]),
+            "slice with step": (table[10:40:3], values[10:40:3]),
+            "negative slice": (table[-5:], values[-5:]),
+            "narrow": (table.narrow(0, 100, 4), values.narrow(0, 100, 4)),
+            "select": (table[7], values[7]),
+            "negative select": (table[-1], values[-1]),
+            "position tensor": (table[positions], values[positions]),
+            "index_select": (table.index_select(0, positions[0]), values.index_select(0, positions[0])),
+            "embedding": (F.embedding(positions, table), F.embedding(positions, values)),
+            "cast slice": (table[:4].to(torch.bfloat16), values[:4].to(torch.bfloat16)),
+        }
+    for name, (got, want) in reads.items():
+        assert torch.equal(got, want), name
+    assert max(computed_rows) <= 30 and sum(computed_rows) < 100
+
+
+def test_unit_dims_stay_recomputed_views(computed_rows):
+    model = Reader(length=4096, shape=(1, 1, 4096, 16))  # HF's older (1, 1, L, d) caches
+    values = model.cos.clone()
+    rope_dedup.share(model, tables="recompute")
+    computed_rows.clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert torch.equal(model.cos[:, :, :9, ...], values[:, :, :9, ...])
+        assert torch.equal(model.cos.squeeze()[3:5], values.squeeze()[3:5])
+        assert torch.equal(model.cos[0, 0].unsqueeze(1)[2:4], values[0, 0].unsqueeze(1)[2:4])
+        assert torch.equal(model.cos.view(4096, 16)[11], values.view(4096, 16)[11])
+        assert isinstance(model.cos.detach()[None], RecomputedTable)
+    assert max(computed_rows) <= 9
+
+
+def test_an_op_on_the_whole_table_computes_it_for_that_op_with_a_warning():
+    model = Reader(length=1024)
+    values = model.cos.clone()
+    rope_dedup.share(model, tables="recompute")
+    with pytest.warns(UserWarning, match=r"sum reads recomputed table cos whole"):
+        total = model.cos.sum()
+    assert torch.equal(total, values.sum())
+    with pytest.warns(UserWarning, match=r"mul reads recomputed table cos whole"):
+        assert torch.equal(model.cos * 2, values * 2)
+    assert model.cos.state.whole_reads == {"sum": 1, "mul": 1}
+    assert model.cos.is_recomputed  # nothing kept from those computations
+
+
+def test_an_eager_write_materializes_the_table_then_writes():
+    model, twin = twins(homogeneous(3, layout="cos_sin"))
+    rope_dedup.share(model, tables="recompute")
+    with pytest.warns(UserWarning, match=r"layers.1.attention.rope.cos was written by mul_"):
+        model.layers[1].attention.rope.cos.mul_(1.5)
+    twin.layers[1].attention.rope.cos.mul_(1.5)
+    written = model.layers[1].attention.rope.cos
+    assert not written.is_recomputed and written.materialized is not None
+    assert model.layers[0].attention.rope.cos.is_recomputed  # its neighbours are not touched
+    assert torch.equal(model(TOKENS), twin(TOKENS))
+    written[:4].fill_(0.25)  # a write through a view of a written table lands in its storage, as in any table
+    twin.layers[1].attention.rope.cos[:4].fill_(0.25)
+    assert torch.equal(model(TOKENS), twin(TOKENS))
+    report = rope_dedup.share(model, tables="recompute")
+    kept = {s.path: s.reason for s in report.skipped if s.kind is SkipReason.NOT_EXACT}
+    assert "written in place by mul_" in kept["layers.1.attention.rope.cos"]
+
+
+def test_a_graph_that_writes_a_recomputed_table_is_refused_at_compile_time():
+    model, _ = twins(homogeneous(1, layout="cos_sin"))
+    rope_dedup.share(model, tables="recompute")
+    rope = model.layers[0].attention.rope
+
+    class Writes(nn.Module):
+        def forward(self, x):
+            rope.cos.mul_(2)
+            return x * rope.cos[: x.shape[0]]
+
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="a compiled graph writes a recomputed table"):
+        torch.compile(Writes(), backend="aot_eager")(torch.ones(3, 16))
+    assert rope.cos.is_recomputed
+
+
+def test_state_dict_keeps_keys_and_values_and_reloads():
+    model, twin = twins(homogeneous(2, layout="hf_halves", persistent=True))
+    rope_dedup.share(model, tables="recompute")
+    state, expected = model.state_dict(), twin.state_dict()
+    assert state.keys() == expected.keys()
+    assert all(type(v) is torch.Tensor or isinstance(v, nn.Parameter) for v in state.values())
+    assert all(torch.equal(state[k], expected[k]) for k in state)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model.load_state_dict(expected)  # equal values: nothing written
+    assert all(t.is_recomputed for t in tables(model))
+    other = copy.deepcopy(expected)
+    other["layers.0.attention.rope.cos_cached"] = other["layers.0.attention.rope.cos_cached"] * 0.5
+    with pytest.warns(UserWarning, match="layers.0.attention.rope.cos_cached was written by copy_"):
+        model.load_state_dict(other)
+    twin.load_state_dict(other)
+    assert not model.layers[0].attention.rope.cos_cached.is_recomputed
+    assert torch.equal(model(TOKENS), twin(TOKENS))
+
+
+def test_deepcopy_pickle_and_save_keep_the_recipe_not_the_values():
+    model, twin = twins(homogeneous(4, layout="hf_halves", max_len=4096))
+    rope_dedup.share(model, tables="recompute")
+    copied = copy.deepcopy(model)
+    assert all(isinstance(t, RecomputedTable) for t in tables(copied))
+    assert len({t.inv_freq.untyped_storage().data_ptr() for t in tables(copied)}) == 1  # still one vector
+    assert torch.equal(copied(TOKENS), twin(TOKENS))
+    unpickled = pickle.loads(pickle.dumps(model))
+    assert torch.equal(unpickled(TOKENS), twin(TOKENS))
+    files = {}
+    for name, m in (("recompute", model), ("plain", twin)):
+        buffer = io.BytesIO()
+        torch.save(m, buffer)
+        files[name] = buffer.getvalue()
+    table_bytes = sum(t.numel() * t.element_size() for t in tables(twin))
+    assert len(files["plain"]) - len(files["recompute"]) >= 0.9 * table_bytes
+    loaded = torch.load(io.BytesIO(files["recompute"]), weights_only=False)
+    assert torch.equal(loaded(TOKENS), twin(TOKENS))
+
+
+def test_dtype_casts_and_moves_stay_exact():
+    model, twin = twins(homogeneous(2, layout="cos_sin"))
+    rope_dedup.share(model, tables="recompute")
+    for convert in (lambda m: m.double(), lambda m: m.half().float(), lambda m: m.to(torch.bfloat16)):
+        got, want = convert(copy.deepcopy(model)), convert(copy.deepcopy(twin))
+        assert all(isinstance(t, RecomputedTable) for t in tables(got))
+        assert all(torch.equal(a.values(), b) for a, b in zip(tables(got), tables(want)))
+    moved = copy.deepcopy(model).to("meta")
+    assert all(t.is_meta and type(t) is torch.Tensor for t in tables(moved))
+
+
+def test_a_table_no_recipe_reproduces_keeps_its_values_and_says_why():
+    model, twin = twins(homogeneous(3, layout="cos_sin"))
+    for m in (model, twin):  # one ulp off in one value: still RoPE, no longer a recipe's output
+        m.layers[0].attention.rope.cos[100, 3] = torch.nextafter(m.layers[0].attention.rope.cos[100, 3],
+                                                                 torch.tensor(2.0))
+    report = rope_dedup.share(model, tables="recompute")
+    kept = [s for s in report.skipped if s.kind is SkipReason.NOT_EXACT]
+    assert [s.path for s in kept] == ["layers.0.attention.rope.cos"]
+    assert "bit for bit" in kept[0].reason and "not recomputed" in str(report)
+    assert type(model.layers[0].attention.rope.cos) is torch.Tensor
+    assert torch.equal(model(TOKENS), twin(TOKENS))
+
+
+def test_unshare_puts_the_values_back():
+    model, twin = twins(homogeneous(2, layout="complex"))
+    rope_dedup.share(model, tables="recompute")
+    paths = rope_dedup.unshare(model)
+    assert set(paths) == {p for p, _ in rope_tensors(model)}
+    assert all(type(t) is torch.Tensor for t in tables(model))
+    assert all(torch.equal(a, b) for a, b in zip(tables(model), tables(twin)))
+
+
+def test_tables_takes_two_values():
+    with pytest.raises(ValueError, match="tables must be one of 'share', 'recompute'"):
+        rope_dedup.share(nn.Linear(2, 2), tables="recomputed")
+
+
+def test_report_says_what_was_recomputed():
+    model, _ = twins(homogeneous(2, layout="cos_sin"))
+    text = str(rope_dedup.share(model, tables="recompute"))
+    assert "recomputed 4 table(s), rows computed where they are read: 16.4 KB of tables -> 32 B" in text.replace("\n  ", " ")
+
+
+# -- compiled --------------------------------------------------------------------------------------------------
+
+def test_aot_eager_is_bitwise_and_regional_compile_does_not_recompile_per_layer():
+    model, twin = twins(homogeneous(4, layout="hf_halves"))
+    rope_dedup.share(model, tables="recompute")
+    torch._dynamo.reset()
+    counters.clear()
+    for layer in model.layers:
+        layer.compile(backend="aot_eager")
+    with torch.no_grad():
+        for length in (16, 9):
+            tokens = TOKENS[:, :length]
+            assert torch.equal(model(tokens), twin(tokens))
+    assert counters["stats"]["unique_graphs"] == 2  # one per length, none per layer
+
+
+def test_dynamic_shapes_compile_once():
+    model, twin = twins(homogeneous(2, layout="cos_sin"))
+    rope_dedup.share(model, tables="recompute")
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(model, backend="aot_eager", dynamic=True)
+    with torch.no_grad():
+        for length in (5, 9, 16):
+            tokens = TOKENS[:, :length].contiguous()  # a strided slice would recompile for its strides alone
+            assert torch.equal(compiled(tokens), twin(tokens))
+    assert counters["stats"]["unique_graphs"] == 1
+
+
+def test_the_rope_dedup_backend_skips_recomputed_tables_with_their_reason():
+    model, twin = twins(homogeneous(2, layout="cos_sin"))
+    rope_dedup.share(model, tables="recompute")
+    backend = rope_dedup.RopeDedupBackend(inner="aot_eager")
+    torch._dynamo.reset()
+    assert torch.equal(torch.compile(model, backend=backend)(TOKENS), twin(TOKENS))
+    skipped = {s.path for s in backend.report_for(model).skipped if s.kind is SkipReason.RECOMPUTED}
+    assert skipped == {p for p, _ in rope_tensors(model)}
