@@ -276,6 +276,19 @@ def test_report_says_what_was_recomputed():
     assert "recomputed 4 table(s), rows computed where they are read: 16.4 KB of tables -> 32 B" in text.replace("\n  ", " ")
 
 
+def test_the_audit_judges_a_recomputed_table_as_its_values():
+    model, twin = twins(local_global(6, layout="hf_halves"))
+    rope_dedup.share(model, tables="recompute")
+    wrong = {"layers.*": rope_dedup.RopeSpec(1e4)}  # layers 2 and 5 hold theta 1e6: a finding, as without us
+    for inputs in ((), (TOKENS,)):
+        got, want = rope_dedup.explain(model, *inputs, expect=wrong), rope_dedup.explain(twin, *inputs, expect=wrong)
+        assert [r.tables for r in got.layers] == [r.tables for r in want.layers]
+        assert got.groups == want.groups and got.mismatches == want.mismatches
+        assert {m.layer for m in got.mismatches} == {"layers.2", "layers.5"}
+        assert len(got.recomputed) == 12 and "recomputed where read (12)" in str(got)
+    assert all(isinstance(t, RecomputedTable) and t.is_recomputed for t in tables(model))  # put back after
+
+
 # -- compiled --------------------------------------------------------------------------------------------------
 
 def test_aot_eager_is_bitwise_and_regional_compile_does_not_recompile_per_layer():

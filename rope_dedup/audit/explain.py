@@ -13,6 +13,7 @@ sees at a glance that layer 5 uses theta 1e6 while the others use 1e4. Told what
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import linecache
 import logging
@@ -33,6 +34,7 @@ from rope_dedup.tables.keys import RopeKey
 from rope_dedup.core.report import DedupReport, Skip
 from rope_dedup.core.text import Row, Table, format_bytes, format_table, wrap
 from rope_dedup.tensors import tensor_paths
+from rope_dedup.recompute import values_in_place
 from rope_dedup.share import share
 
 log = logging.getLogger("rope_dedup")
@@ -93,6 +95,7 @@ class Explanation:
     judged: bool = False  # whether an expectation was given
     static: bool = False  # no forward ran: ``applied`` holds the tables the model holds
     unmeasured: tuple[tuple[str, str], ...] = ()  # static: RoPE-named tensors in a layout not measured (path, why)
+    recomputed: tuple[str, ...] = ()  # tables share(tables="recompute") replaced: audited as their values
 
     @property
     def odd_layers(self) -> list[LayerRow]:
@@ -192,6 +195,7 @@ class Explanation:
             "skipped": [{"path": s.path, "kind": s.kind.name, "reason": s.reason} for s in self.skipped],
             "parameters_skipped": self.parameters_skipped,
             "unread": list(self.unread),
+            "recomputed": list(self.recomputed),
             "errors": list(self.report.errors),
         }
 
@@ -237,6 +241,10 @@ class Explanation:
             lines.append(f"{self.parameters_skipped} parameter(s) skipped, not listed (weights; reasons in .report.skipped)")
         if self.unread:
             lines.append(f"not read by the compiled graph, not examined ({len(self.unread)}): {', '.join(self.unread)}")
+        if self.recomputed:
+            shown = ", ".join(self.recomputed[:4]) + (f", ... (+{len(self.recomputed) - 4})" if len(self.recomputed) > 4 else "")
+            lines.append(f"recomputed where read ({len(self.recomputed)}), audited as the values they read; groups "
+                         f"are tables of one frequency vector: {shown}")
         if self.unmeasured:
             lines.append(f"held but in a layout the audit does not measure ({len(self.unmeasured)}):")
             lines += [f"  {path}: {why}" for path, why in self.unmeasured]
@@ -281,6 +289,19 @@ def explain(model: torch.nn.Module, *example_inputs: Any, expect: Expectation | 
                 for c in config_conflicts(model)] if isinstance(expect, str) else []
     findings += [Mismatch("(config)", "config", "RoPE parameters the audit can read", line, None)
                  for line in (judging.unreadable if judging is not None else ())]
+    with values_in_place(model) as recomputed:  # a recomputed table is judged as the values it reads
+        explanation = _audit(model, example_inputs, example_kwargs, judging, findings)
+    if recomputed:
+        explanation = dataclasses.replace(explanation, recomputed=tuple(recomputed))
+    log.info("rope_dedup: %s audit: %d layer(s), %d distinct table(s), %d layer(s) differ from the majority, "
+             "%d mismatch(es)", "static" if explanation.static else "dry-run", len(explanation.layers),
+             len(explanation.groups), len(explanation.odd_layers), len(explanation.mismatches))
+    return explanation
+
+
+def _audit(model: torch.nn.Module, example_inputs: tuple, example_kwargs: dict, judging: Judging | None,
+           findings: list[Mismatch]) -> Explanation:
+    """The static audit without inputs, else the dry-run forward: see :func:`explain`."""
     if not example_inputs and not example_kwargs:
         held = held_tables(model, judging.judge if judging else None)
         report = share(model, backend=RopeDedupBackend(inner="eager", dry_run=True))
@@ -299,9 +320,6 @@ def explain(model: torch.nn.Module, *example_inputs: Any, expect: Expectation | 
         applied = capture.tables()
         capture.release()
         explanation = _arrange(backend.report_for(model), model, applied, judging, findings=findings)
-    log.info("rope_dedup: %s audit: %d layer(s), %d distinct table(s), %d layer(s) differ from the majority, "
-             "%d mismatch(es)", "static" if explanation.static else "dry-run", len(explanation.layers),
-             len(explanation.groups), len(explanation.odd_layers), len(explanation.mismatches))
     return explanation
 
 

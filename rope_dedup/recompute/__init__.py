@@ -4,8 +4,8 @@
 rows a read reads; ``convert`` puts one in each table's place.
 """
 
-from rope_dedup.recompute.convert import Conversion, recompute_tables, restore_values
+from rope_dedup.recompute.convert import Conversion, recompute_tables, restore_values, values_in_place
 from rope_dedup.recompute.recipe import Recipe, find_recipe
 from rope_dedup.recompute.table import RecomputedTable
 
-__all__ = ["Conversion", "Recipe", "RecomputedTable", "find_recipe", "recompute_tables", "restore_values"]
+__all__ = ["Conversion", "Recipe", "RecomputedTable", "find_recipe", "recompute_tables", "restore_values", "values_in_place"]

@@ -8,17 +8,19 @@ share it instead. A persistent table stays in the ``state_dict`` under its key, 
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 
 from rope_dedup.core.eligibility import Refusal, SkipReason, why_not_shareable
 from rope_dedup.core.report import Recomputed
 from rope_dedup.recompute.recipe import Recipe, find_recipe
-from rope_dedup.recompute.table import RecomputedTable, _State
+from rope_dedup.recompute.table import RecomputedTable, _context, _State
 from rope_dedup.tables.keys import infer_key
 from rope_dedup.tables.recognize import RopeTable, recognize_rope_table
-from rope_dedup.tensors import Origin, module_state, same_values, storage_nbytes
+from rope_dedup.tensors import Origin, is_dtensor, module_state, same_values, storage_nbytes
 
 
 @dataclass
@@ -71,15 +73,10 @@ def recompute_tables(*models: torch.nn.Module, dry_run: bool = False) -> Convers
             done.append(Recomputed(path, key, storage_nbytes(tensor)))
             if dry_run:
                 continue
-            name = path.rpartition(".")[2]
-            replacement = RecomputedTable(recipe, _State(path, key=key))
-            if name in module._buffers:
-                module._buffers[name] = replacement
-                if persistent and id(module) not in hooked:
-                    hooked.add(id(module))
-                    module._register_state_dict_hook(_values_in_state_dict)
-            else:
-                setattr(module, name, replacement)
+            _put(module, path.rpartition(".")[2], RecomputedTable(recipe, _State(path, key=key)))
+            if persistent and id(module) not in hooked:
+                hooked.add(id(module))
+                module._register_state_dict_hook(_values_in_state_dict)
     vectors_held = {(t.inv_freq.device, t.inv_freq.untyped_storage().data_ptr()): t.inv_freq.untyped_storage().nbytes()
                     for model in models for _, t, _, _, _ in module_state(model)
                     if isinstance(t, RecomputedTable) and t.is_recomputed}
@@ -91,6 +88,8 @@ def _refusal(tensor: torch.Tensor, origin: Origin) -> Refusal | None:
     A persistent table is converted: its state_dict entry holds its values (:func:`_values_in_state_dict`)."""
     if origin is Origin.PARAMETER:
         return Refusal(SkipReason.NOT_EXACT, "a parameter: only buffers and plain attributes are recomputed")
+    if is_dtensor(tensor):
+        return Refusal(SkipReason.NOT_EXACT, "a DTensor: recomputing on each rank is not supported yet")
     return why_not_shareable(tensor, None)
 
 
@@ -119,11 +118,40 @@ def restore_values(model: torch.nn.Module) -> list[str]:
     paths = []
     for path, tensor, _, _, module in module_state(model):
         if isinstance(tensor, RecomputedTable):
-            name = path.rpartition(".")[2]
-            values = tensor.values().clone() if tensor.is_recomputed else tensor.values()
-            if name in module._buffers:
-                module._buffers[name] = values
-            else:
-                setattr(module, name, values)
+            _put(module, path.rpartition(".")[2], tensor.values())
             paths.append(path)
     return paths
+
+
+@contextlib.contextmanager
+def values_in_place(*models: torch.nn.Module) -> Iterator[list[str]]:
+    """While the block runs, each recomputed table of ``models`` is a plain tensor of its values (the audit
+    judges a recomputed table as its values), one tensor for the tables of one recipe, as one storage would
+    hold them if they were shared. Yields their paths; the tables are put back however the block ends."""
+    swapped: list[tuple[torch.nn.Module, str, RecomputedTable]] = []
+    paths: list[str] = []
+    made: dict[tuple, torch.Tensor] = {}
+    try:
+        for model in models:
+            for path, tensor, _, _, module in module_state(model):
+                if not isinstance(tensor, RecomputedTable):
+                    continue
+                ident = (tensor.inv_freq.device, tensor.inv_freq.untyped_storage().data_ptr(),
+                         _context(tensor.recipe, False)) if tensor.is_recomputed else (id(tensor.state),)
+                if ident not in made:
+                    made[ident] = tensor.values()
+                swapped.append((module, path.rpartition(".")[2], tensor))
+                paths.append(path)
+                _put(module, path.rpartition(".")[2], made[ident].detach())  # its own tensor, one storage
+        yield paths
+    finally:
+        for module, name, table in reversed(swapped):
+            _put(module, name, table)
+
+
+def _put(module: torch.nn.Module, name: str, value: torch.Tensor) -> None:
+    """Set a buffer (keeping whether it is persistent) or a plain tensor attribute."""
+    if name in module._buffers:
+        module._buffers[name] = value
+    else:
+        setattr(module, name, value)
