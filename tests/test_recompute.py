@@ -176,6 +176,42 @@ def test_an_eager_write_materializes_the_table_then_writes():
     assert "written in place by mul_" in kept["layers.1.attention.rope.cos"]
 
 
+@pytest.mark.parametrize("write", [
+    lambda t: t[:4].mul_(2),
+    lambda t: t[3].fill_(0.5),
+    lambda t: t[2:9][1:3].zero_(),
+    lambda t: t.narrow(0, 5, 2).add_(1),
+    lambda t: t[10:12].chunk(2, dim=-1)[1].copy_(torch.ones(2, 4)),
+    lambda t: t.__setitem__(slice(20, 22), torch.full((2, 8), 3.0)),
+], ids=["slice", "select", "slice of slice", "narrow", "chunk of slice", "setitem"])
+def test_a_write_through_a_view_lands_in_the_table(write):
+    model, twin = twins(homogeneous(2, layout="cos_sin"))
+    rope_dedup.share(model, tables="recompute")
+    with pytest.warns(UserWarning, match="layers.0.attention.rope.cos was written by"):
+        write(model.layers[0].attention.rope.cos)
+    write(twin.layers[0].attention.rope.cos)
+    assert not model.layers[0].attention.rope.cos.is_recomputed
+    assert torch.equal(model.layers[0].attention.rope.cos.values(), twin.layers[0].attention.rope.cos)
+    assert torch.equal(model(TOKENS), twin(TOKENS))
+
+
+def test_rows_read_stay_a_view_until_written():
+    model, twin = twins(homogeneous(1, layout="cos_sin"))
+    rope_dedup.share(model, tables="recompute")
+    rows = model.layers[0].attention.rope.cos[:6]
+    kept = rows * 1  # a read: plain values, nothing written
+    assert type(kept) is torch.Tensor and model.layers[0].attention.rope.cos.is_recomputed
+    rows.mul_(3)  # the rows read before the write still lead to the table
+    twin.layers[0].attention.rope.cos[:6].mul_(3)
+    assert torch.equal(model.layers[0].attention.rope.cos.values(), twin.layers[0].attention.rope.cos)
+    fresh, twin = twins(homogeneous(1, layout="cos_sin"))
+    rope_dedup.share(fresh, tables="recompute")
+    earlier, twin_earlier = fresh.layers[0].attention.rope.cos[1:3], twin.layers[0].attention.rope.cos[1:3]
+    fresh.layers[0].attention.rope.cos.add_(1)  # a write to the table shows in views read before it
+    twin.layers[0].attention.rope.cos.add_(1)
+    assert torch.equal(earlier * 1, twin_earlier)
+
+
 def test_a_graph_that_writes_a_recomputed_table_is_refused_at_compile_time():
     model, _ = twins(homogeneous(1, layout="cos_sin"))
     rope_dedup.share(model, tables="recompute")
@@ -186,9 +222,15 @@ def test_a_graph_that_writes_a_recomputed_table_is_refused_at_compile_time():
             rope.cos.mul_(2)
             return x * rope.cos[: x.shape[0]]
 
-    torch._dynamo.reset()
-    with pytest.raises(Exception, match="a compiled graph writes a recomputed table"):
-        torch.compile(Writes(), backend="aot_eager")(torch.ones(3, 16))
+    class WritesAView(nn.Module):
+        def forward(self, x):
+            rope.cos[:2].mul_(2)
+            return x * rope.cos[: x.shape[0]]
+
+    for module in (Writes(), WritesAView()):
+        torch._dynamo.reset()
+        with pytest.raises(Exception, match="a compiled graph writes a recomputed table"):
+            torch.compile(module, backend="aot_eager")(torch.ones(3, 16))
     assert rope.cos.is_recomputed
 
 

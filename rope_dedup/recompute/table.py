@@ -106,7 +106,7 @@ class RecomputedTable(torch.Tensor):
         kwargs = kwargs or {}
         if func is aten.copy_.default and _copies_own_values(args[0], args[1]):
             return args[0]  # a reload of equal values (load_state_dict) changes nothing: stays recomputed
-        written = _written_tables(func, args, kwargs)
+        written = [a for a in _written(func, args, kwargs) if isinstance(a, RecomputedTable)]
         for table in written:
             table._materialize(str(func.overloadpacket.__name__))
         first = args[0] if args and isinstance(args[0], RecomputedTable) else None
@@ -173,18 +173,6 @@ def _copies_own_values(table: Any, source: Any) -> bool:
     return True
 
 
-def _written_tables(func: Any, args: tuple, kwargs: dict) -> list[RecomputedTable]:
-    schema = func._schema
-    found = []
-    for i, argument in enumerate(schema.arguments):
-        if argument.alias_info is None or not argument.alias_info.is_write:
-            continue
-        value = args[i] if i < len(args) else kwargs.get(argument.name)
-        if isinstance(value, RecomputedTable):
-            found.append(value)
-    return found
-
-
 def _plain_for(func: Any) -> Callable[[Any], Any]:
     """Unwrap each table argument: its storage once written, else the whole table computed for this op."""
     def plain(value: Any) -> Any:
@@ -199,6 +187,102 @@ def _plain_for(func: Any) -> Callable[[Any], Any]:
                       f"compute only those", stacklevel=5)
         return value.values()
     return plain
+
+
+class RecomputedRows(torch.Tensor):
+    """Rows of a recomputed table read through a view (slice, select, narrow, and views of those): computed
+    values that still write through to the table. Any read unwraps to the rows; a write first gives the table
+    a storage of its own, then lands in it through the same views, as it would in the table itself."""
+
+    rows: torch.Tensor
+    table: RecomputedTable | None  # None: rows that crossed a compiled graph's boundary, cut off from the table
+    steps: tuple  # (view op, args, kwargs, item of a list result or None) from the table to these rows
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
+
+    @staticmethod
+    def __new__(cls, rows: torch.Tensor, table: RecomputedTable | None, steps: tuple) -> RecomputedRows:
+        return torch.Tensor._make_wrapper_subclass(cls, rows.shape, strides=rows.stride(), dtype=rows.dtype,
+                                                   device=rows.device, requires_grad=False)
+
+    def __init__(self, rows: torch.Tensor, table: RecomputedTable | None, steps: tuple) -> None:
+        self.rows, self.table, self.steps = rows, table, steps
+
+    def __repr__(self) -> str:  # type: ignore[override]
+        return f"RecomputedRows({self.rows!r})"
+
+    def __tensor_flatten__(self) -> tuple[list[str], None]:
+        return ["rows"], None
+
+    @staticmethod
+    def __tensor_unflatten__(inner: dict[str, torch.Tensor], context: None, outer_size: Any,
+                             outer_stride: Any) -> RecomputedRows:
+        return RecomputedRows(inner["rows"], None, ())
+
+    def __reduce_ex__(self, protocol: Any) -> tuple:  # what pickling a view of a table gives: its values
+        return _plain_copy, (self.rows,)
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None  # type: ignore[override]
+                           ) -> Any:
+        kwargs = kwargs or {}
+        written = [a for a in _written(func, args, kwargs) if isinstance(a, RecomputedRows)]
+        for rows in written:
+            rows._write_through(str(func.overloadpacket.__name__))
+        out = func(*tree_map(_rows_of, args), **tree_map(_rows_of, kwargs))
+        if written:
+            return args[0] if func._schema.name.endswith("_") else out
+        first = args[0] if args else None
+        if isinstance(first, RecomputedRows) and _returns_view(func):
+            if isinstance(out, (list, tuple)):
+                return type(out)(RecomputedRows(o, first.table, first.steps + ((func, args[1:], kwargs, i),))
+                                 for i, o in enumerate(out))
+            return RecomputedRows(out, first.table, first.steps + ((func, args[1:], kwargs, None),))
+        return out
+
+    def _write_through(self, op: str) -> None:
+        """Point these rows at the table's own storage, through the same views, before ``op`` writes them."""
+        if self.table is None:
+            raise RuntimeError(f"rope_dedup: {op} writes rows of a recomputed table that a compiled graph returned: "
+                               f"they no longer lead to the table, and the write would be lost; call "
+                               f"rope_dedup.unshare(model) before writing RoPE tables")
+        self.table._materialize(op)
+        self._see_storage()
+
+    def _see_storage(self) -> None:
+        """Read through the views from the table's storage from now on (it has one since a write)."""
+        view = self.table.state.materialized.reshape(self.table.shape)  # type: ignore[union-attr]
+        for func, args, kwargs, item in self.steps:
+            view = func(view, *args, **kwargs)
+            view = view if item is None else view[item]
+        self.rows, self.steps = view, ()
+
+
+def _rows_of(value: Any) -> Any:
+    """The rows to compute with: once the table was written (through any view), its storage's, as a view of
+    a written table would read."""
+    if not isinstance(value, RecomputedRows):
+        return value
+    if value.steps and value.table is not None and value.table.state.materialized is not None:
+        value._see_storage()
+    return value.rows
+
+
+def _plain_copy(rows: torch.Tensor) -> torch.Tensor:
+    return rows.clone()
+
+
+def _returns_view(func: Any) -> bool:
+    returns = func._schema.returns
+    return len(returns) == 1 and returns[0].alias_info is not None and not returns[0].alias_info.is_write
+
+
+def _written(func: Any, args: tuple, kwargs: dict) -> list[Any]:
+    """The arguments ``func``'s schema writes."""
+    found = []
+    for i, argument in enumerate(func._schema.arguments):
+        if argument.alias_info is not None and argument.alias_info.is_write:
+            found.append(args[i] if i < len(args) else kwargs.get(argument.name))
+    return found
 
 
 # -- the op table: one function per op, each returning NotImplemented to fall back to the whole table ----------
@@ -256,7 +340,8 @@ def _slice(table: RecomputedTable, dim: int = 0, start: int | None = None, end: 
     begin, stop = _bound(start, size, 0), _bound(end, size, size)
     if dim != table.recipe.pos_dim:
         return _alias(table) if (begin, stop, step) == (0, size, 1) else NotImplemented
-    return _rows(table, _positions(begin, torch.sym_max(begin, stop), step, table), dim)
+    rows = _rows(table, _positions(begin, torch.sym_max(begin, stop), step, table), dim)
+    return RecomputedRows(rows, table, ((aten.slice.Tensor, (dim, start, end, step), {}, None),))
 
 
 def _bound(index: Any, size: int, default: int) -> Any:
@@ -274,7 +359,8 @@ def _select(table: RecomputedTable, dim: int, index: int) -> Any:
     if dim != table.recipe.pos_dim:
         return _alias(table, tuple(table.shape[:dim]) + tuple(table.shape[dim + 1:]))
     index = index + table.shape[dim] if index < 0 else index
-    return _rows(table, _positions(index, index + 1, 1, table), dim).squeeze(dim)
+    rows = _rows(table, _positions(index, index + 1, 1, table), dim).squeeze(dim)
+    return RecomputedRows(rows, table, ((aten.select.int, (dim, index), {}, None),))
 
 
 @_implements(aten.index.Tensor)
