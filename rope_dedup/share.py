@@ -25,10 +25,11 @@ from rope_dedup.backend import RopeDedupBackend, rope_dedup_backend
 from rope_dedup.core.eligibility import Refusal, SkipReason
 from rope_dedup.core.memory import TRIM_THRESHOLD_BYTES, release_if_freed
 from rope_dedup.core.reload import guard_reload
-from rope_dedup.core.report import DedupReport, Skip
+from rope_dedup.core.report import DedupReport, Recomputed, Skip
 from rope_dedup.tensors import Origin, module_state
 from rope_dedup.core.store import Action, CanonicalStore, Plan
 from rope_dedup.recompute import RecomputedTable, recompute_tables
+from rope_dedup.recompute.convert import Converter, keep_values_in_state_dict
 
 _SETTINGS = ("share_persistent", "dry_run", "release_memory")
 TABLES = ("share", "recompute")  # share(tables=...): one storage per key, or no table at all where exact
@@ -124,13 +125,25 @@ class sharing:  # noqa: N801 (used as a context manager, like torch.no_grad)
     is process-wide: buffers registered by other threads during the block are shared too. Blocks do not
     nest, and one block is entered once. Persistence is set after the hook runs, so a persistent buffer is
     shared at once and gets its own storage back at the end of the block (unless ``share_persistent``).
+
+    ``tables="recompute"`` replaces each table a recipe reproduces bit for bit by a
+    :class:`~rope_dedup.recompute.RecomputedTable` as it registers (as :func:`share` does); the first table of
+    each key is kept for comparison until the block ends, so the build holds one table per key at most.
     """
 
     _active_lock = threading.Lock()
     _active: sharing | None = None
 
-    def __init__(self, backend: RopeDedupBackend | None = None, **settings: Any) -> None:
+    def __init__(self, backend: RopeDedupBackend | None = None, tables: str = "share", **settings: Any) -> None:
+        if tables not in TABLES:
+            raise ValueError(f"tables must be one of {', '.join(map(repr, TABLES))}, got {tables!r}")
         self.backend, self.store, self._release = _store(backend, settings)
+        # tables="recompute": each table a recipe reproduces is replaced as it registers. The converter holds
+        # the first table of each key until the block ends, so the build holds one table per key at most.
+        self._converter = Converter() if tables == "recompute" else None
+        self._recomputed: list[Recomputed] = []
+        self._not_exact: list[Skip] = []
+        self._vector_bytes = 0
         self._handle = None
         self._used = False
         self._pending: list[tuple[torch.nn.Module, str, torch.Tensor]] = []  # persistence not known yet
@@ -142,7 +155,8 @@ class sharing:  # noqa: N801 (used as a context manager, like torch.no_grad)
             if sharing._active is not None:
                 raise RuntimeError("sharing() blocks do not nest: one is already active")
             sharing._active, self._used = self, True
-        self._handle = register_module_buffer_registration_hook(self._registered)  # type: ignore[assignment]
+        # torch's hint says the hook returns None; register_buffer uses a returned tensor in the buffer's place.
+        self._handle = register_module_buffer_registration_hook(self._registered)  # type: ignore[assignment, arg-type]
         return self
 
     def __exit__(self, *exc_info: Any) -> None:
@@ -153,16 +167,27 @@ class sharing:  # noqa: N801 (used as a context manager, like torch.no_grad)
         with sharing._active_lock:
             sharing._active = None
         self._settle_persistence()
+        if self._converter is not None:
+            self._vector_bytes = self._converter.vector_bytes
+            self._converter = None  # the tables it held for comparison are freed here
         if self._release and not self.store.dry_run:
             release_if_freed(self.store)
 
-    def _registered(self, module: torch.nn.Module, name: str, tensor: torch.Tensor | None) -> None:
+    def _registered(self, module: torch.nn.Module, name: str, tensor: torch.Tensor | None) -> torch.Tensor | None:
         self._settle_persistence()
         if tensor is None or not (tensor.is_floating_point() or tensor.is_complex()):
             return None
         label = f"{type(module).__name__}.{name}"
         known = name in module._buffers  # an assignment to an existing buffer: its persistence is set
         persistent = known and name not in module._non_persistent_buffers_set
+        if self._converter is not None and not self.store.dry_run and not isinstance(tensor, RecomputedTable):
+            replacement, recomputed, refusal = self._converter.convert(tensor, label)
+            if replacement is not None and recomputed is not None:
+                self._recomputed.append(recomputed)
+                keep_values_in_state_dict(module)  # persistence is set after this hook: keep the values either way
+                return replacement
+            if refusal is not None and refusal.reason is SkipReason.NOT_EXACT:
+                self._not_exact.append(Skip(label, refusal))
         action = _offer(self.store, tensor, label, persistent, (module, name)).action
         if action is Action.JOIN and self._release and not self.store.dry_run:
             # Freed tables of a few MB stay in glibc's heap, and the build's next layers do not always reuse
@@ -191,7 +216,14 @@ class sharing:  # noqa: N801 (used as a context manager, like torch.no_grad)
 
     @property
     def report(self) -> DedupReport:
-        return self.backend.report
+        return self._with_recomputed(self.backend.report)
+
+    def _with_recomputed(self, report: DedupReport) -> DedupReport:
+        if not self._recomputed and not self._not_exact:
+            return report
+        held = self._converter.vector_bytes if self._converter is not None else self._vector_bytes
+        return dataclasses.replace(report, recomputed=list(self._recomputed), recomputed_bytes=held,
+                                   skipped=report.skipped + self._not_exact)
 
     def report_for(self, model: torch.nn.Module) -> DedupReport:
         """The report with full paths in ``model``, and its plain tensor attributes, which the hook cannot see,
@@ -201,4 +233,4 @@ class sharing:  # noqa: N801 (used as a context manager, like torch.no_grad)
         unseen = [Skip(path, Refusal(SkipReason.UNSEEN_ATTRIBUTE))
                   for path, tensor, kind, _, _ in module_state(model)
                   if kind is Origin.ATTRIBUTE and path not in shared and (tensor.is_floating_point() or tensor.is_complex())]
-        return dataclasses.replace(report, skipped=report.skipped + unseen)
+        return self._with_recomputed(dataclasses.replace(report, skipped=report.skipped + unseen))

@@ -368,3 +368,46 @@ def test_the_rope_dedup_backend_skips_recomputed_tables_with_their_reason():
     assert torch.equal(torch.compile(model, backend=backend)(TOKENS), twin(TOKENS))
     skipped = {s.path for s in backend.report_for(model).skipped if s.kind is SkipReason.RECOMPUTED}
     assert skipped == {p for p, _ in rope_tensors(model)}
+
+
+def test_sharing_recompute_converts_as_the_model_is_built():
+    torch.manual_seed(0)
+    twin = ToyDecoder(local_global(6, layout="hf_halves", persistent=True)).eval()
+    torch.manual_seed(0)
+    with rope_dedup.sharing(tables="recompute") as block:
+        model = ToyDecoder(local_global(6, layout="hf_halves", persistent=True)).eval()
+    assert all(isinstance(t, RecomputedTable) and t.is_recomputed for t in tables(model))
+    assert len({t.inv_freq.untyped_storage().data_ptr() for t in tables(model)}) == 2
+    assert torch.equal(model(TOKENS), twin(TOKENS))
+    report = block.report_for(model)
+    assert len(report.recomputed) == 12 and report.recomputed_bytes == 2 * 8 * 4
+    assert model.state_dict().keys() == twin.state_dict().keys()
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), twin.state_dict().values()))
+
+
+def test_sharing_recompute_searches_once_per_key(monkeypatch):
+    """The recipe search and its check run once per key: later layers' tables are compared, not computed."""
+    from rope_dedup.recompute import convert
+
+    searched = []
+    find = convert.find_recipe
+    monkeypatch.setattr(convert, "find_recipe", lambda *a, **k: searched.append(1) or find(*a, **k))
+    with rope_dedup.sharing(tables="recompute"):
+        ToyDecoder(homogeneous(8, layout="complex", max_len=4096))
+    assert len(searched) == 1
+
+
+def test_sharing_recompute_builds_within_the_peak_of_sharing():
+    from rope_dedup.tools.profile import allocator_peak
+
+    table = 16384 * 64 * 8  # complex64 (16384, 64): 8 MiB a layer, 8 layers
+
+    def build(**settings):
+        def run():
+            with rope_dedup.sharing(**settings):
+                return ToyDecoder(homogeneous(8, layout="complex", max_len=16384), d_model=256)
+        return run
+
+    recompute, shared = allocator_peak(build(tables="recompute")), allocator_peak(build())
+    # About one kept table plus one layer's build, as sharing(): the check's chunks add nothing visible.
+    assert recompute <= shared + table / 8 and recompute <= 6 * table, (recompute / table, shared / table)

@@ -9,6 +9,7 @@ share it instead. A persistent table stays in the ``state_dict`` under its key, 
 from __future__ import annotations
 
 import contextlib
+import weakref
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -16,7 +17,7 @@ import torch
 
 from rope_dedup.core.eligibility import Refusal, SkipReason, why_not_shareable
 from rope_dedup.core.report import Recomputed
-from rope_dedup.recompute.recipe import Recipe, find_recipe
+from rope_dedup.recompute.recipe import CHUNK_ROWS, Recipe, find_recipe
 from rope_dedup.recompute.table import RecomputedTable, _context, _State
 from rope_dedup.tables.keys import infer_key
 from rope_dedup.tables.recognize import RopeTable, recognize_rope_table
@@ -32,15 +33,67 @@ class Conversion:
     vector_bytes: int  # what the recomputed tables hold between them: their distinct frequency vectors
 
 
+class Converter:
+    """Turns tables into :class:`RecomputedTable` s: the recipes found so far, by where a table's values live
+    (held here, so that no other table's storage takes their address while this lives), and one frequency
+    vector per distinct set of bits."""
+
+    def __init__(self) -> None:
+        self._vectors: dict[tuple, torch.Tensor] = {}
+        self._by_storage: dict[tuple, tuple[Recipe, torch.Tensor]] = {}
+
+    def convert(self, tensor: torch.Tensor, path: str, origin: Origin = Origin.BUFFER
+                ) -> tuple[RecomputedTable | None, Recomputed | None, Refusal | None]:
+        """(its replacement, what was recomputed, why not): all None when ``tensor`` is not a RoPE table."""
+        found = recognize_rope_table(tensor) if origin is not Origin.PARAMETER or not tensor.requires_grad else None
+        if not isinstance(found, RopeTable) or found.length is None:
+            return None, None, None
+        key = infer_key(found, tensor)
+        refusal = _refusal(tensor, origin)
+        if refusal is not None:
+            return None, None, refusal
+        where = (tensor.device, tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape),
+                 tuple(tensor.stride()), tensor.dtype)
+        known = self._by_storage.get(where) or self._equal_to_known(tensor)
+        if known is None:
+            searched = find_recipe(tensor, found, key.theta, key.dim)
+            if isinstance(searched, str):
+                return None, None, Refusal(SkipReason.NOT_EXACT, searched)
+            known = self._by_storage[where] = (self._one_vector(searched), tensor)
+        return (RecomputedTable(known[0], _State(path, key=key)), Recomputed(path, key, storage_nbytes(tensor)), None)
+
+    @property
+    def vector_bytes(self) -> int:
+        """Bytes of the distinct frequency vectors handed out so far."""
+        return sum(v.untyped_storage().nbytes() for v in self._vectors.values())
+
+    def _equal_to_known(self, tensor: torch.Tensor) -> tuple[Recipe, torch.Tensor] | None:
+        """A recipe found for a table of the very same bits (layer after layer while a model is built): a
+        comparison, instead of a search and a check that compute the table again."""
+        for recipe, seen in self._by_storage.values():
+            if seen.shape == tensor.shape and seen.dtype == tensor.dtype and seen.device == tensor.device and \
+                    all(same_values(a, b) for a, b in zip(seen.split(CHUNK_ROWS), tensor.split(CHUNK_ROWS))):
+                return recipe, seen
+        return None
+
+    def _one_vector(self, recipe: Recipe) -> Recipe:
+        """The recipe with an earlier recipe's frequency vector of the same bits, if any: one vector per key (a
+        key's cos and sin tables, and its tables in other layouts, use one)."""
+        ident = (recipe.inv_freq.device, tuple(recipe.inv_freq.view(torch.int32).cpu().tolist()))
+        known = self._vectors.get(ident)
+        if known is not None and same_values(known, recipe.inv_freq):
+            return recipe.with_inv_freq(known)
+        self._vectors[ident] = recipe.inv_freq
+        return recipe
+
+
 def recompute_tables(*models: torch.nn.Module, dry_run: bool = False) -> Conversion:
     """Replace every recognized RoPE table of ``models`` by a :class:`RecomputedTable` where a recipe gives
     its bits exactly; tables of equal recipes share one frequency vector. Already converted tables count again
     in the result and change nothing."""
     done: list[Recomputed] = []
     kept: list[tuple[str, Refusal]] = []
-    vectors: dict[tuple, torch.Tensor] = {}  # (recipe context, device, inv_freq bits) -> the vector to use
-    by_storage: dict[tuple, Recipe] = {}  # tables already found, by where their values live
-    hooked: set[int] = set()
+    converter = Converter()
     for model in models:
         for path, tensor, origin, persistent, module in module_state(model):
             if isinstance(tensor, RecomputedTable):
@@ -50,37 +103,39 @@ def recompute_tables(*models: torch.nn.Module, dry_run: bool = False) -> Convers
                 elif tensor.state.key is not None:
                     done.append(Recomputed(path, tensor.state.key, tensor.nbytes))
                 continue
-            found = recognize_rope_table(tensor) if origin is not Origin.PARAMETER or not tensor.requires_grad \
-                else None
-            if not isinstance(found, RopeTable) or found.length is None:
-                continue
-            key = infer_key(found, tensor)
-            refusal = _refusal(tensor, origin)
-            if refusal is None:
-                where = (tensor.device, tensor.untyped_storage().data_ptr(), tensor.storage_offset(),
-                         tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype)
-                recipe = by_storage.get(where)
-                if recipe is None:
-                    searched = find_recipe(tensor, found, key.theta, key.dim)
-                    if isinstance(searched, str):
-                        refusal = Refusal(SkipReason.NOT_EXACT, searched)
-                    else:
-                        recipe = by_storage[where] = _one_vector(searched, vectors)
+            replacement, recomputed, refusal = converter.convert(tensor, path, origin)
             if refusal is not None:
                 kept.append((path, refusal))
+            if replacement is None or recomputed is None:
                 continue
-            assert recipe is not None
-            done.append(Recomputed(path, key, storage_nbytes(tensor)))
-            if dry_run:
-                continue
-            _put(module, path.rpartition(".")[2], RecomputedTable(recipe, _State(path, key=key)))
-            if persistent and id(module) not in hooked:
-                hooked.add(id(module))
-                module._register_state_dict_hook(_values_in_state_dict)
-    vectors_held = {(t.inv_freq.device, t.inv_freq.untyped_storage().data_ptr()): t.inv_freq.untyped_storage().nbytes()
-                    for model in models for _, t, _, _, _ in module_state(model)
-                    if isinstance(t, RecomputedTable) and t.is_recomputed}
-    return Conversion(done, kept, sum(vectors_held.values()))
+            done.append(recomputed)
+            if not dry_run:
+                put_table(module, path.rpartition(".")[2], replacement, persistent)
+    return Conversion(done, kept, vector_bytes(*models))
+
+
+def put_table(module: torch.nn.Module, name: str, table: RecomputedTable, persistent: bool) -> None:
+    """Put ``table`` in ``name``'s place; a persistent one's ``state_dict`` entry holds its values."""
+    _put(module, name, table)
+    if persistent:
+        keep_values_in_state_dict(module)
+
+
+_HOOKED: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()  # modules whose state_dict hook is in place
+
+
+def keep_values_in_state_dict(module: torch.nn.Module) -> None:
+    """Make ``module``'s ``state_dict`` hold the values of its recomputed buffers (once per module)."""
+    if module not in _HOOKED:
+        module._register_state_dict_hook(_values_in_state_dict)
+        _HOOKED.add(module)
+
+
+def vector_bytes(*models: torch.nn.Module) -> int:
+    """What the recomputed tables of ``models`` hold between them: their distinct frequency vectors."""
+    held = {(t.inv_freq.device, t.inv_freq.untyped_storage().data_ptr()): t.inv_freq.untyped_storage().nbytes()
+            for model in models for _, t, _, _, _ in module_state(model) if isinstance(t, RecomputedTable) and t.is_recomputed}
+    return sum(held.values())
 
 
 def _refusal(tensor: torch.Tensor, origin: Origin) -> Refusal | None:
@@ -91,18 +146,6 @@ def _refusal(tensor: torch.Tensor, origin: Origin) -> Refusal | None:
     if is_dtensor(tensor):
         return Refusal(SkipReason.NOT_EXACT, "a DTensor: recomputing on each rank is not supported yet")
     return why_not_shareable(tensor, None)
-
-
-def _one_vector(recipe: Recipe, vectors: dict[tuple, torch.Tensor]) -> Recipe:
-    """The recipe with an earlier recipe's frequency vector of the same bits, if any: one vector per key (a
-    key's cos and sin tables, and its tables in other layouts, use one)."""
-    bits = recipe.inv_freq.view(torch.int32).cpu()
-    ident = (recipe.inv_freq.device, tuple(bits.tolist()))
-    known = vectors.get(ident)
-    if known is not None and same_values(known, recipe.inv_freq):
-        return recipe.with_inv_freq(known)
-    vectors[ident] = recipe.inv_freq
-    return recipe
 
 
 def _values_in_state_dict(module: torch.nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
