@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from rope_dedup.core.eligibility import Refusal, SkipReason
-from rope_dedup.core.store import CanonicalStore
+from rope_dedup.core.store import CanonicalStore, orphaned_alias, release_orphaned
 from rope_dedup.tensors import same_values
 
 log = logging.getLogger("rope_dedup")
@@ -58,7 +58,14 @@ def guard_reload(module: torch.nn.Module | None, store: CanonicalStore, tensor: 
                 continue
             incoming = state_dict.get(prefix + name)
             member = store.member_name(tensor)
-            if member is None or not isinstance(incoming, torch.Tensor) or incoming.shape != tensor.shape:
+            if not isinstance(incoming, torch.Tensor) or incoming.shape != tensor.shape:
+                continue
+            if member is None:
+                if orphaned_alias(tensor) and not same_values(incoming.detach().to(device=tensor.device,
+                                                                                 dtype=tensor.dtype), tensor):
+                    log.info("rope_dedup: load_state_dict brings %s a value of its own: it leaves the storage it "
+                             "shared before that was freed in place", prefix + name)
+                    release_orphaned(tensor)
                 continue
             if not same_values(incoming.detach().to(device=tensor.device, dtype=tensor.dtype), tensor):
                 log.info("rope_dedup: load_state_dict brings %s a value of its own: it leaves its group first",

@@ -36,7 +36,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from rope_dedup.core.eligibility import Refusal, SkipReason, why_not_shareable
 from rope_dedup.tables.keys import RopeKey, infer_key
 from rope_dedup.tables.recognize import NotRope, RopeTable, recognize_rope_table
-from rope_dedup.tensors import (TensorMark, has_storage, local, memory_key, memory_ptr, placement, same_values,
+from rope_dedup.tensors import (TensorMark, has_storage, is_plain, local, memory_key, memory_ptr, placement, same_values,
                                 storage_nbytes, storage_ptr)
 
 log = logging.getLogger("rope_dedup")
@@ -71,6 +71,8 @@ class Epoch:
 EPOCH = Epoch()
 # Tensors unshare() released, in every store: never shared again (id -> its mark and the refusal).
 _EXCLUDED: dict[int, tuple[TensorMark, Refusal]] = {}
+# Shared storages freed in place and dropped from their store, by storage: :func:`orphaned_alias`.
+_ORPHANED: dict[int, StorageWeakRef] = {}
 
 
 @dataclass(eq=False)
@@ -252,6 +254,8 @@ class CanonicalStore:
                 return torch.empty(0, dtype=group.key.dtype, device=storage.device).set_(
                     storage, member.offset, group.shape, group.stride)
             log.warning("rope_dedup: %s was freed or shrunk in place while shared: dropped from the store", member.name)
+            with _LOCK:  # its members still read one storage: a reload of one must not write the others
+                _ORPHANED[member.storage.cdata] = member.storage
             break
         self._drop(group)
         return None
@@ -504,6 +508,22 @@ def release_shared(tensor: torch.Tensor) -> bool:
         _own_storage(local(tensor))
         log.info("rope_dedup: %s has its own storage again", names[0] if names else "a table read by shared ones")
         return True
+
+
+def orphaned_alias(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` reads a storage that several tables shared until it was freed in place and the store
+    dropped them (sleep modes free and refill in place): they still read one memory, unknown to every store."""
+    with _LOCK:
+        for cdata, ref in list(_ORPHANED.items()):
+            if ref.expired():
+                del _ORPHANED[cdata]
+        return is_plain(local(tensor)) and local(tensor).untyped_storage()._cdata in _ORPHANED
+
+
+def release_orphaned(tensor: torch.Tensor) -> None:
+    """Give a table of an orphaned shared storage (:func:`orphaned_alias`) a storage of its own, same content."""
+    with _LOCK:
+        _own_storage(local(tensor))
 
 
 def exclude(tensor: torch.Tensor, reason: Refusal) -> None:
