@@ -18,9 +18,11 @@ differ in the first or the last layer (tables are drawn persistent or not, and t
 ones or not; under regional compile the last layer's joined at run time). Drawn too: one layer whose forward scales
 its own table in place through an op that returns the table or a view of it (:data:`WRITES_THROUGH`); a
 second backend's ``share()`` of the model before it is compiled (a second store); a thread that builds
-reports while the calls intern. The share() path calls share() again after each step, as a user would. ``ROPE_DEDUP_PROPERTY_EXAMPLES`` sets
-the number of examples over the three inner backends (default 50: 25 eager, 20 aot_eager, 5 inductor; the
-long run uses 500), plus 3/10 of it for share().
+reports while the calls intern. The share() path calls share() again after each step, as a user would. A fourth
+path does the same with ``share(model, tables="recompute")``: outputs bitwise equal, every table recomputed,
+shared or skipped with a reason. ``ROPE_DEDUP_PROPERTY_EXAMPLES`` sets the number of examples over the three
+inner backends (default 50: 25 eager, 20 aot_eager, 5 inductor; the long run uses 500), plus 3/10 of it for
+share() and 3/10 for recompute.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from __future__ import annotations
 import operator
 import os
 import threading
+import warnings
 from dataclasses import replace
 from typing import Callable
 
@@ -42,6 +45,7 @@ from ideal import ideal_storages
 from rope_dedup.testing.toy_decoder import FILLED_LAYOUTS, LAYOUTS, ROUTES, SCALINGS, TableRecipe, rope_tensors
 
 from rope_dedup import RopeDedupBackend, share
+from rope_dedup.recompute import RecomputedTable
 from rope_dedup.tensors import same_values
 
 EXAMPLES = int(os.environ.get("ROPE_DEDUP_PROPERTY_EXAMPLES", "50"))
@@ -64,6 +68,7 @@ WRITES_THROUGH: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 TABLE_OF = {"cos_sin": "cos", "hf_halves": "cos_cached", "titan_cos_sin": "rope_cache", "complex": "freqs_cis",
             "stacked": "cache", "gptj": "embed_positions", "inv_freq": "inv_freq", "lazy_cache": "cached_freqs",
             "filled_cache": "filled_freqs"}
+EAGER_PATHS = ("share", "recompute")  # paths that never compile: share(), and share(tables="recompute")
 SCALE = 1.0 + 2.0 ** -7  # exact in every float dtype drawn: each call moves the table, alike in both models
 
 
@@ -118,9 +123,9 @@ def decoders(draw, inner: str):
         # (layer, op): that layer writes its table through the op on every call; not on the share() path,
         # where a write in eager code is the documented limit (unshare() first).
         "write": draw(st.none() | st.tuples(st.integers(0, 4), st.sampled_from(sorted(WRITES_THROUGH))))
-        if inner != "share" else None,
-        "second": draw(st.booleans()) if inner != "share" else False,  # another backend's share() first
-        "reporter": draw(st.booleans()) if inner != "share" else False,  # a thread building reports meanwhile
+        if inner not in EAGER_PATHS else None,
+        "second": draw(st.booleans()) if inner not in EAGER_PATHS else False,  # another backend's share() first
+        "reporter": draw(st.booleans()) if inner not in EAGER_PATHS else False,  # a thread building reports
     }
 
 
@@ -171,7 +176,9 @@ def tokens(i: int, device: torch.device | str = "cpu") -> torch.Tensor:
 
 def sleep_and_wake(model: torch.nn.Module, meanwhile: Callable[[], None]) -> None:
     """Sleep mode: every table's storage freed in place, ``meanwhile`` run, then each refilled as it was."""
-    saved = [(t, t.untyped_storage().nbytes(), t.detach().clone()) for _, t in rope_tensors(model)]
+    # A recomputed table holds no storage to free: nothing of it sleeps.
+    saved = [(t, t.untyped_storage().nbytes(), t.detach().clone()) for _, t in rope_tensors(model)
+             if not isinstance(t, RecomputedTable)]
     for t, _, _ in saved:
         t.untyped_storage().resize_(0)
     meanwhile()
@@ -405,6 +412,36 @@ def share_keeps_every_promise(case) -> None:
     assert not report.errors
 
 
+def recompute_keeps_every_promise(case) -> None:
+    """share(model, tables="recompute") in eager, again after each step: outputs bitwise equal to the model
+    without it, through frees, re-inits, casts, swaps and reloads; every RoPE tensor is recomputed, shared or
+    skipped with a reason (filled caches, written tables, bare inv_freq vectors shared as before)."""
+    backend = RopeDedupBackend("eager")
+    settings = {"backend": backend, "share_persistent": case["share_persistent"], "tables": "recompute"}
+    reference = build(case["specs"], case["seed"], case["graph_break"], case["device"])
+    model = build(case["specs"], case["seed"], case["graph_break"], case["device"])
+
+    def converted(other: torch.nn.Module) -> torch.nn.Module:
+        share(other, **settings)
+        return other
+
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # a reload of other values writes a recomputed table: said once
+        expected = run_sequence(case, reference, reference, lambda other: other)
+        model(tokens(0))
+        share(model, **settings)
+        outputs = run_sequence(case, model, model, converted, after_step=lambda: share(model, **settings))
+    assert len(outputs) == len(expected)
+    for got, want in zip(outputs, expected):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    report = share(model, **settings)
+    accounted = {m for g in report.groups for m in g.members} | {s.path for s in report.skipped} | \
+        {r.path for r in report.recomputed}
+    assert all(name in accounted for name, _ in rope_tensors(model))
+    assert any(isinstance(t, RecomputedTable) for _, t in rope_tensors(model)) or not report.recomputed
+    assert not report.errors
+
+
 def found_by_the_long_run(inner: str, device: torch.device | str) -> list[dict]:
     """Sequences the 500-example runs failed on. Two filled caches around a plain table, per-block compile with
     graph breaks: after ``free`` the refilled cache of the second layer pointed at the canonical's memory
@@ -413,7 +450,9 @@ def found_by_the_long_run(inner: str, device: torch.device | str) -> list[dict]:
     storage (found under inductor); a table converted, then freed and regrown in place (same storage, new
     memory) counted as a member still, so nothing shared it again and the report lost it; a swapping
     ``double()`` after a graph break refused a parameter still weakly referenced by a dead compile that one
-    garbage collection left for the next."""
+    garbage collection left for the next; two filled caches' ``freqs``, shared, freed in place while another model
+    ran (the store dropped them) and refilled, then a reload of the last layer's other theta wrote the first
+    layer's ``freqs`` too (the reload guard asked only the store)."""
     cos_sin, filled = TableRecipe(max_len=16), TableRecipe(layout="filled_cache", max_len=16)
     saved_cos_sin, saved_filled = replace(cos_sin, persistent=True), replace(filled, persistent=True)
     return [{"specs": [cos_sin, cos_sin, filled, cos_sin, filled], "graph_break": True, "regional": True,
@@ -425,10 +464,13 @@ def found_by_the_long_run(inner: str, device: torch.device | str) -> list[dict]:
             {"specs": [cos_sin], "graph_break": False, "regional": False, "inner": inner, "seed": 0,
              "steps": ["float64", "free"], "share_persistent": False, "device": device},
             {"specs": [cos_sin], "graph_break": True, "regional": False, "inner": inner, "seed": 0,
-             "steps": ["swap_float64"], "share_persistent": False, "device": device}]
+             "steps": ["swap_float64"], "share_persistent": False, "device": device},
+            {"specs": [saved_filled, saved_filled], "graph_break": False, "regional": False, "inner": inner,
+             "seed": 0, "steps": ["free", "reload_last"], "share_persistent": True, "device": device,
+             "write": (0, "alias")}]
 
 
-@pytest.mark.parametrize("index", range(5))
+@pytest.mark.parametrize("index", range(6))
 @pytest.mark.parametrize("inner", ["eager", "aot_eager"])
 def test_sequences_found_by_the_long_run(inner: str, index: int, device: torch.device) -> None:
     """Run every time, on the test device (ROPE_DEDUP_TEST_DEVICE), before anything is generated."""
@@ -441,7 +483,8 @@ def random_decoders(inner: str, tenths: int):
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
     @given(decoders(inner))
     def test(case) -> None:
-        (share_keeps_every_promise if inner == "share" else keeps_every_promise)(case)
+        {"share": share_keeps_every_promise, "recompute": recompute_keeps_every_promise}.get(
+            inner, keeps_every_promise)(case)
     return test
 
 
@@ -451,3 +494,4 @@ test_random_decoders_eager = random_decoders("eager", 5)
 test_random_decoders_aot_eager = random_decoders("aot_eager", 4)
 test_random_decoders_inductor = random_decoders("inductor", 1)
 test_random_decoders_share = random_decoders("share", 3)
+test_random_decoders_recompute = random_decoders("recompute", 3)

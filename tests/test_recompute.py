@@ -263,6 +263,7 @@ def test_deepcopy_pickle_and_save_keep_the_recipe_not_the_values():
     assert torch.equal(copied(TOKENS), twin(TOKENS))
     unpickled = pickle.loads(pickle.dumps(model))
     assert torch.equal(unpickled(TOKENS), twin(TOKENS))
+    assert len(rope_dedup.share(unpickled, tables="recompute").recomputed) == len(tables(twin))
     files = {}
     for name, m in (("recompute", model), ("plain", twin)):
         buffer = io.BytesIO()
@@ -281,6 +282,9 @@ def test_dtype_casts_and_moves_stay_exact():
         got, want = convert(copy.deepcopy(model)), convert(copy.deepcopy(twin))
         assert all(isinstance(t, RecomputedTable) for t in tables(got))
         assert all(torch.equal(a.values(), b) for a, b in zip(tables(got), tables(want)))
+        again = rope_dedup.share(got, tables="recompute")  # still counted, under the key of what it holds now
+        assert {r.key.dtype for r in again.recomputed} == {tables(want)[0].dtype}
+        assert len(again.recomputed) == len(tables(got))
     moved = copy.deepcopy(model).to("meta")
     assert all(t.is_meta and type(t) is torch.Tensor for t in tables(moved))
 

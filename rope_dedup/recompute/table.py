@@ -97,7 +97,8 @@ class RecomputedTable(torch.Tensor):
         return RecomputedTable(recipe, _State("", materialized=inner.get("materialized")))
 
     def __reduce_ex__(self, protocol: Any) -> tuple:  # pickle, torch.save: the recipe, not the values
-        return _rebuild, (_context(self.recipe, False)[0], self.inv_freq, self.state.name, self.state.materialized)
+        return _rebuild, (_context(self.recipe, False)[0], self.inv_freq, self.state.name, self.state.materialized,
+                          self.state.key)
 
     # -- dispatch --------------------------------------------------------------------------------------------
     @classmethod
@@ -147,8 +148,9 @@ def _context(recipe: Recipe, materialized: bool) -> tuple:
     return fields, materialized
 
 
-def _rebuild(fields: tuple, inv_freq: torch.Tensor, name: str, materialized: torch.Tensor | None) -> RecomputedTable:
-    return RecomputedTable(Recipe(**dict(fields), inv_freq=inv_freq), _State(name, materialized=materialized))
+def _rebuild(fields: tuple, inv_freq: torch.Tensor, name: str, materialized: torch.Tensor | None,
+             key: RopeKey | None = None) -> RecomputedTable:
+    return RecomputedTable(Recipe(**dict(fields), inv_freq=inv_freq), _State(name, key, materialized=materialized))
 
 
 def _base_shape(table: RecomputedTable) -> tuple[int, ...]:
@@ -327,7 +329,7 @@ def _clone(table: RecomputedTable, **kwargs: Any) -> Any:
     """A table of its own (``deepcopy`` calls clone): a write to the copy must not reach this one."""
     if kwargs.get("memory_format") not in (None, torch.preserve_format, torch.contiguous_format):
         return NotImplemented
-    return RecomputedTable(table.recipe, _State(table.state.name))
+    return RecomputedTable(table.recipe, _State(table.state.name, table.state.key))
 
 
 @_implements(aten.slice.Tensor)
@@ -439,14 +441,17 @@ def _to_copy(table: RecomputedTable, dtype: torch.dtype | None = None, device: A
         recipe = moved
     if dtype is not None and dtype != table.dtype:
         recipe = recipe.cast(dtype)
-    return RecomputedTable(recipe, _State(table.state.name))
+    key = table.state.key
+    if key is not None:  # the key names what the table holds now: its dtype and device
+        key = replace(key, dtype=recipe.dtype, device=recipe.inv_freq.device)
+    return RecomputedTable(recipe, _State(table.state.name, key))
 
 
 def _same_on(here: Recipe, there: Recipe) -> bool:
     for start in range(0, here.length, CHUNK_ROWS):
         stop = min(start + CHUNK_ROWS, here.length)
-        positions = torch.arange(start, stop, dtype=torch.int64)
-        mine = here.rows(positions.to(here.inv_freq.device)).to(there.inv_freq.device)
+        positions = torch.arange(start, stop, device=here.inv_freq.device, dtype=torch.int64)
+        mine = here.rows(positions).to(there.inv_freq.device)
         if not same_values(mine, there.rows(positions.to(there.inv_freq.device))):
             return False
     return True
