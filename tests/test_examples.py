@@ -33,18 +33,22 @@ EXPECTED = {  # script -> lines its output must contain
     "bench_recognition_peak.py": ["complex (freqs_cis)"],
     "bench_step_time.py": ["worst median paired ratio"],
     "bench_move_peak.py": ["RoPE storages after the move: 2"],
+    "bench_recompute.py": ["RoPE bytes: unshared 8.4 MB, shared 4.2 MB, recompute 256 B (2 tables recomputed)"],
     # 8 GPT-J layers, each a (16384, 32) float32 embed_positions: 7 of 8 copies freed.
     "profile_gptj.py": ["rope_dedup vs eager alone: RoPE storage 14.7 MB less"],
 }
 TAKES_INNER = {name for name in EXPECTED
                if name not in ("audit.py", "catch_misconfiguration.py", "export_program.py", "bench_computed_rope.py",
-                            "bench_recognition_peak.py", "bench_step_time.py", "bench_move_peak.py")}
+                            "bench_recognition_peak.py", "bench_step_time.py", "bench_move_peak.py",
+                            "bench_recompute.py")}
 # The benchmark at a size that only checks it runs (its figures come from the full run, docs/benchmarks.md).
 ARGS = {"bench_computed_rope.py": ["--layers", "2", "--context", "256", "--seq", "16", "--rounds", "2",
                                    "--warmup", "1", "--inners", "eager", "--modes", "forward"],
         "bench_step_time.py": ["--layers", "2", "--rounds", "4", "--warmup", "1", "--inner", "eager",
                                "--processes", "2"],
-        "bench_move_peak.py": ["--layers", "4", "--context", "1024"]}
+        "bench_move_peak.py": ["--layers", "4", "--context", "1024"],
+        "bench_recompute.py": ["--preset", "titan-128k", "--layers", "2", "--context", "8192", "--rounds", "2",
+                               "--prefill", "16", "--backend", "eager"]}
 
 
 def start(name: str, *args: str) -> subprocess.Popen:

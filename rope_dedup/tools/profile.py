@@ -41,7 +41,7 @@ from rope_dedup.testing import toy_decoder as toy
 from rope_dedup.tools.factories import build as build_from_factory, one_line
 from rope_dedup.tensors import same_values
 
-MODES = ("eager", "compile", "rope_dedup", "regional", "share", "sharing")
+MODES = ("eager", "compile", "rope_dedup", "regional", "share", "sharing", "recompute")
 # Modes that never compile: eager, then rope_dedup.share(model); eager, built inside rope_dedup.sharing().
 EAGER_MODES = ("eager", "share", "sharing")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -230,6 +230,9 @@ def _prepare(mode: str, model: torch.nn.Module, config: ProfileConfig,
         return model, backend, None
     if mode == "compile":
         return torch.compile(model, backend=config.inner), None, None
+    if mode == "recompute":  # no table left where a recipe is exact, then compiled with the inner backend alone
+        share(model, tables="recompute")
+        return torch.compile(model, backend=config.inner), None, None
     backend = RopeDedupBackend(inner=config.inner)
     capture = _Capture(backend)
     if mode == "rope_dedup":
@@ -367,9 +370,13 @@ def measure(config: ProfileConfig, mode: str) -> dict[str, Any]:
 
     if mode == "share":  # made before the clock starts: the first backend imports dynamo's backends
         built_under = RopeDedupBackend(inner=config.inner)
+    if mode == "recompute":
+        del tables  # the tables are replaced: this list must not keep them alive
     started = time.perf_counter()
     run, backend, capture = _prepare(mode, model, config, built_under)
     prepare_s = time.perf_counter() - started
+    if mode == "recompute":
+        tables = recomputed_and_plain_tables(model)
     rss_after_prepare = _current_rss()
     if config.train:
         optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
@@ -402,8 +409,8 @@ def measure(config: ProfileConfig, mode: str) -> dict[str, Any]:
     interning = _interning_cost(capture, step) if capture is not None else None
     return {
         "mode": mode,
-        **storage_figures(tables, before, toy.unique_storages(tables), ideal),
-        "buffer_bytes": toy.unique_storages(_state_tensors(model))[1],
+        **storage_figures(tables, before, toy.unique_storages([_held(t) for t in tables]), ideal),
+        "buffer_bytes": toy.unique_storages([_held(t) for t in _state_tensors(model)])[1],
         "param_bytes": toy.unique_storages(list(model.parameters()))[1],
         "peak_rss_build": peaks.rss["build"],
         "rss_before_build": rss_before_build,
@@ -435,6 +442,21 @@ def measure(config: ProfileConfig, mode: str) -> dict[str, Any]:
         "intern_calls_per_step": interning[1] if interning else None,
         "intern_overhead": interning[0] * interning[1] / step_median if interning else None,
     }
+
+
+def recomputed_and_plain_tables(model: torch.nn.Module) -> list[torch.Tensor]:
+    """After ``share(model, tables="recompute")``: the recomputed tables and the RoPE tables left plain."""
+    from rope_dedup.recompute import RecomputedTable
+
+    unique = {id(t): t for t in _state_tensors(model)}.values()
+    return [t for t in unique if isinstance(t, RecomputedTable)] + rope_tables(model)
+
+
+def _held(tensor: torch.Tensor) -> torch.Tensor:
+    """What holds a tensor's memory: a recomputed table's frequency vector, else the tensor itself."""
+    from rope_dedup.recompute import RecomputedTable
+
+    return tensor.inv_freq if isinstance(tensor, RecomputedTable) and tensor.is_recomputed else tensor
 
 
 def describe_error(error: BaseException) -> tuple[str, bool]:
@@ -545,6 +567,12 @@ def summarize(results: dict[str, dict]) -> dict[str, Any]:
             summary["first_call_growth_vs_allowed"] = growth["rope_dedup"] / (  # type: ignore[operator]
                 FIRST_CALL_GROWTH_FACTOR * growth["compile"] + FIRST_CALL_GROWTH_SLACK)  # type: ignore[operator]
         summary["rope_bytes_saved"] = base["rope_bytes"] - dedup["rope_bytes"]
+    recomputed = ok.get("recompute")
+    if recomputed:
+        summary["recompute_rope_bytes"] = recomputed["rope_bytes"]
+        if base:
+            summary["recompute_step_ratio"] = recomputed["step_s"] / base["step_s"]
+            summary["recompute_step_ratio_min"] = recomputed["step_s_min"] / base["step_s_min"]
     eager, built, shared = ok.get("eager"), ok.get("sharing"), ok.get("share")
     if eager and built and build_growth(eager) and build_growth(built) is not None:
         summary["sharing_build_growth_vs_eager"] = build_growth(built) / build_growth(eager)  # type: ignore[operator]
@@ -594,6 +622,8 @@ TARGETS = (  # (summary key, label, limit, how it is judged)
     ("sharing_build_growth_vs_eager", "build peak growth beyond parameters, sharing() / plain", 0.10, "<="),
     ("share_rss_freed_vs_tables_freed", "RSS freed by share() / table bytes freed", 0.70, ">="),
     ("share_seconds_per_gb", "share() seconds per GB of tables", 1.0, "<="),
+    ("recompute_rope_bytes", "RoPE bytes left, recompute (issue 41)", 1024, "<="),
+    ("recompute_step_ratio", "step time recompute / alone", 1.02, "<="),
 )
 
 
@@ -612,7 +642,8 @@ def mode_label(mode: str, inner: str) -> str:
     """How a mode is shown: ``compile`` is named after its backend (rope_dedup modes compile with it too),
     and told from the ``eager`` mode when that backend is ``eager``."""
     return {"eager": "eager", "compile": "compiled, eager" if inner == "eager" else inner, "rope_dedup": "rope_dedup", "regional": "rope_dedup regional",
-            "share": "eager + share()", "sharing": "eager, sharing() build"}[mode]
+            "share": "eager + share()", "sharing": "eager, sharing() build",
+            "recompute": f"recompute + {'compiled, eager' if inner == 'eager' else inner}"}[mode]
 
 
 def describe_config(config: dict[str, Any]) -> str:
