@@ -19,7 +19,7 @@ from rope_dedup.core.eligibility import Refusal, SkipReason, why_not_shareable
 from rope_dedup.core.report import Recomputed
 from rope_dedup.recompute.recipe import CHUNK_ROWS, Recipe, find_recipe
 from rope_dedup.recompute.table import RecomputedTable, _context, _State
-from rope_dedup.tables.keys import infer_key
+from rope_dedup.tables.keys import RopeKey, infer_key
 from rope_dedup.tables.recognize import RopeTable, recognize_rope_table
 from rope_dedup.tensors import Origin, is_dtensor, module_state, same_values, storage_nbytes
 
@@ -40,40 +40,45 @@ class Converter:
 
     def __init__(self) -> None:
         self._vectors: dict[tuple, torch.Tensor] = {}
-        self._by_storage: dict[tuple, tuple[Recipe, torch.Tensor]] = {}
+        self._by_storage: dict[tuple, tuple[Recipe, torch.Tensor, RopeKey]] = {}
 
     def convert(self, tensor: torch.Tensor, path: str, origin: Origin = Origin.BUFFER
                 ) -> tuple[RecomputedTable | None, Recomputed | None, Refusal | None]:
         """(its replacement, what was recomputed, why not): all None when ``tensor`` is not a RoPE table."""
-        found = recognize_rope_table(tensor) if origin is not Origin.PARAMETER or not tensor.requires_grad else None
-        if not isinstance(found, RopeTable) or found.length is None:
-            return None, None, None
-        key = infer_key(found, tensor)
         refusal = _refusal(tensor, origin)
-        if refusal is not None:
-            return None, None, refusal
         where = (tensor.device, tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape),
-                 tuple(tensor.stride()), tensor.dtype)
-        known = self._by_storage.get(where) or self._equal_to_known(tensor)
-        if known is None:
-            searched = find_recipe(tensor, found, key.theta, key.dim)
-            if isinstance(searched, str):
-                return None, None, Refusal(SkipReason.NOT_EXACT, searched)
-            known = self._by_storage[where] = (self._one_vector(searched), tensor)
-        return (RecomputedTable(known[0], _State(path, key=key)), Recomputed(path, key, storage_nbytes(tensor)), None)
+                 tuple(tensor.stride()), tensor.dtype) if refusal is None else None
+        known = self._by_storage.get(where) if where is not None else None
+        if known is None:  # not the memory of a table converted already (shared tables: one look for all)
+            found = recognize_rope_table(tensor) if origin is not Origin.PARAMETER or not tensor.requires_grad else None
+            if not isinstance(found, RopeTable) or found.length is None:
+                return None, None, None
+            if refusal is not None or where is None:
+                return None, None, refusal
+            key = infer_key(found, tensor)
+            known = self._equal_to_known(tensor)
+            if known is None:
+                searched = find_recipe(tensor, found, key.theta, key.dim)
+                if isinstance(searched, str):
+                    return None, None, Refusal(SkipReason.NOT_EXACT, searched)
+                # Kept by its address only while held here: a freed table's address may come back for another.
+                known = self._by_storage[where] = (self._one_vector(searched), tensor, key)
+        recipe, _, key = known
+        return RecomputedTable(recipe, _State(path, key=key)), Recomputed(path, key, storage_nbytes(tensor)), None
 
     @property
     def vector_bytes(self) -> int:
         """Bytes of the distinct frequency vectors handed out so far."""
         return sum(v.untyped_storage().nbytes() for v in self._vectors.values())
 
-    def _equal_to_known(self, tensor: torch.Tensor) -> tuple[Recipe, torch.Tensor] | None:
+    def _equal_to_known(self, tensor: torch.Tensor) -> tuple[Recipe, torch.Tensor, RopeKey] | None:
         """A recipe found for a table of the very same bits (layer after layer while a model is built): a
         comparison, instead of a search and a check that compute the table again."""
-        for recipe, seen in self._by_storage.values():
+        for known in self._by_storage.values():
+            seen = known[1]
             if seen.shape == tensor.shape and seen.dtype == tensor.dtype and seen.device == tensor.device and \
                     all(same_values(a, b) for a, b in zip(seen.split(CHUNK_ROWS), tensor.split(CHUNK_ROWS))):
-                return recipe, seen
+                return known
         return None
 
     def _one_vector(self, recipe: Recipe) -> Recipe:
