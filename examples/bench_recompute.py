@@ -4,7 +4,7 @@
     python examples/bench_recompute.py --preset titan-128k --rounds 10
     python examples/bench_recompute.py --layers 4 --context 8192 --rounds 4   # a quick look
 
-Per preset, one toy decoder (one complex ``freqs_cis`` per layer, head_dim 128) is built inside
+Per preset, one toy decoder (one complex ``freqs_cis`` per layer, or ``--layout cos_sin``, head_dim 128) is built inside
 ``rope_dedup.sharing()``, so the build holds one table, never one per layer (40 x 512 MiB would not fit at
 1M positions). Its deep copy goes through ``share(model, tables="recompute")``. Where the unshared model fits
 (``--unshared-max-gb``), a third copy keeps a table per layer: inductor alone as users run it today.
@@ -53,9 +53,9 @@ def reset_peak() -> None:
         f.write("5")
 
 
-def build(layers: int, context: int, heads: int, head_dim: int, shared: bool) -> torch.nn.Module:
+def build(layers: int, context: int, heads: int, head_dim: int, shared: bool, layout: str) -> torch.nn.Module:
     torch.manual_seed(0)
-    specs = toy.homogeneous(layers, layout="complex", max_len=context)
+    specs = toy.homogeneous(layers, layout=layout, max_len=context)
     if shared:
         with rope_dedup.sharing():
             model = toy.ToyDecoder(specs, d_model=heads * head_dim, heads=heads)
@@ -99,12 +99,12 @@ def paired_ratios(calls: dict[str, Callable[[], Any]], against: str, rounds: int
 
 
 def run(layers: int, context: int, heads: int, head_dim: int, prefill: int, rounds: int,
-        unshared_max_gb: float, backend: str) -> dict[str, Any]:
-    table_bytes = context * (head_dim // 2) * 8  # complex64
-    result: dict[str, Any] = {"layers": layers, "context": context, "head_dim": head_dim,
+        unshared_max_gb: float, backend: str, layout: str) -> dict[str, Any]:
+    table_bytes = context * (head_dim // 2) * 8  # complex64, or a float32 cos and sin of half its width
+    result: dict[str, Any] = {"layers": layers, "context": context, "head_dim": head_dim, "layout": layout,
                               "rope_bytes_unshared": layers * table_bytes}
     reset_peak()
-    shared = build(layers, context, heads, head_dim, shared=True)
+    shared = build(layers, context, heads, head_dim, shared=True, layout=layout)
     result["build_peak_rss"] = peak_rss()
     recompute = copy.deepcopy(shared)
     reset_peak()
@@ -117,7 +117,7 @@ def run(layers: int, context: int, heads: int, head_dim: int, prefill: int, roun
     result["rope_bytes_recompute"] = rope_bytes(recompute)
     models = {"shared": shared, "recompute": recompute}
     if layers * table_bytes <= unshared_max_gb * 1e9:
-        models["unshared"] = build(layers, context, heads, head_dim, shared=False)
+        models["unshared"] = build(layers, context, heads, head_dim, shared=False, layout=layout)
     compiled = {name: regional(model, backend) for name, model in models.items()}
     for phase, length in (("decode", 1), ("prefill", prefill)):
         tokens = torch.randint(0, 64, (1, length), generator=torch.Generator().manual_seed(1))
@@ -137,7 +137,7 @@ def mb(n: int) -> str:
 
 
 def show(name: str, r: dict[str, Any]) -> None:
-    print(f"{name}: {r['layers']} layers, {r['context']:,} positions, head_dim {r['head_dim']}, complex64 freqs_cis")
+    print(f"{name}: {r['layers']} layers, {r['context']:,} positions, head_dim {r['head_dim']}, {r['layout']} tables")
     print(f"  RoPE bytes: unshared {mb(r['rope_bytes_unshared'])}, shared {mb(r['rope_bytes_shared'])}, "
           f"recompute {mb(r['rope_bytes_recompute'])} ({r['recomputed']} tables recomputed)")
     print(f"  peak RSS: build (inside sharing()) {mb(r['build_peak_rss'])}, conversion {mb(r['convert_peak_rss'])} "
@@ -162,6 +162,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--unshared-max-gb", type=float, default=4.0,
                         help="build the unshared model only when its tables fit in this (default 4)")
     parser.add_argument("--backend", default="inductor", help="what each block is compiled with (default inductor)")
+    parser.add_argument("--layout", default="complex", choices=("complex", "cos_sin"),
+                        help="complex64 freqs_cis (default) or a float32 cos and sin per layer")
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -170,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, preset in presets.items():
         layers, context = args.layers or preset["layers"], args.context or preset["context"]
         results[name] = run(layers, context, args.heads, args.head_dim, args.prefill, args.rounds,
-                            args.unshared_max_gb, args.backend)
+                            args.unshared_max_gb, args.backend, args.layout)
         show(name, results[name])
         torch._dynamo.reset()
     if args.json:
