@@ -210,6 +210,9 @@ def test_rows_read_stay_a_view_until_written():
     fresh.layers[0].attention.rope.cos.add_(1)  # a write to the table shows in views read before it
     twin.layers[0].attention.rope.cos.add_(1)
     assert torch.equal(earlier * 1, twin_earlier)
+    earlier[0].mul_(2)  # a view of rows that read the storage now: a plain view of it
+    twin_earlier[0].mul_(2)
+    assert torch.equal(fresh.layers[0].attention.rope.cos.values(), twin.layers[0].attention.rope.cos)
 
 
 def test_a_graph_that_writes_a_recomputed_table_is_refused_at_compile_time():

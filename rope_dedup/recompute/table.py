@@ -137,7 +137,7 @@ class RecomputedTable(torch.Tensor):
                                f"written is not recomputed. Build this model without tables=\"recompute\", or call "
                                f"rope_dedup.unshare(model) before compiling")
         if self.state.materialized is None:
-            self.state.materialized = self.values().reshape(_base_shape(self)).clone()
+            self.state.materialized = self.values().clone()  # aliases read it in their shapes (unit dims apart)
             self.state.written_by = op
             warnings.warn(f"rope_dedup: recomputed table {self.state.name or '(unnamed)'} was written by {op}: it "
                           f"now holds its values in a storage of its own ({self.nbytes} bytes)", stacklevel=4)
@@ -151,10 +151,6 @@ def _context(recipe: Recipe, materialized: bool) -> tuple:
 def _rebuild(fields: tuple, inv_freq: torch.Tensor, name: str, materialized: torch.Tensor | None,
              key: RopeKey | None = None) -> RecomputedTable:
     return RecomputedTable(Recipe(**dict(fields), inv_freq=inv_freq), _State(name, key, materialized=materialized))
-
-
-def _base_shape(table: RecomputedTable) -> tuple[int, ...]:
-    return table.recipe.shape
 
 
 def _copies_own_values(table: Any, source: Any) -> bool:
@@ -234,7 +230,8 @@ class RecomputedRows(torch.Tensor):
         if written:
             return args[0] if func._schema.name.endswith("_") else out
         first = args[0] if args else None
-        if isinstance(first, RecomputedRows) and _returns_view(func):
+        # Rows of a table written since read its storage (``_rows_of``): a view of them is a plain view of it.
+        if isinstance(first, RecomputedRows) and first.steps and _returns_view(func):
             if isinstance(out, (list, tuple)):
                 return type(out)(RecomputedRows(o, first.table, first.steps + ((func, args[1:], kwargs, i),))
                                  for i, o in enumerate(out))
