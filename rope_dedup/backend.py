@@ -54,6 +54,10 @@ class RopeDedupBackend:
 
     def __init__(self, inner: str | Callable = "inductor", *, config: RopeDedupConfig | None = None,
                  **options: Any) -> None:
+        if "tables" in options:  # share()'s and sharing()'s setting: say where it goes, not just "unknown"
+            raise TypeError("tables= is not a backend option: convert with rope_dedup.share(model, "
+                            "tables=\"recompute\") (or build inside rope_dedup.sharing(tables=\"recompute\")) before "
+                            "torch.compile; the backend then leaves recomputed tables alone (docs/recompute.md)")
         if config is None:
             unknown = sorted(set(options) - set(RopeDedupConfig.option_names()))
             if unknown:

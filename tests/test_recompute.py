@@ -319,6 +319,11 @@ def test_tables_takes_two_values():
         rope_dedup.share(nn.Linear(2, 2), tables="recomputed")
 
 
+def test_the_backend_says_where_tables_recompute_goes():
+    with pytest.raises(TypeError, match=r"convert with rope_dedup.share\(model, tables=\"recompute\"\)"):
+        rope_dedup.RopeDedupBackend(tables="recompute")
+
+
 def test_report_says_what_was_recomputed():
     model, _ = twins(homogeneous(2, layout="cos_sin"))
     text = str(rope_dedup.share(model, tables="recompute"))
