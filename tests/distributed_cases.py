@@ -255,6 +255,28 @@ def sharded_tables(mesh, device: str) -> dict:
     return {"after": local_storages(tables), "skipped": {s.path: s.reason for s in backend.report.skipped}}
 
 
+def recompute_dtensor(mesh, device: str) -> dict:
+    """Case: share(model, tables="recompute") on replicated DTensor tables: kept (not recomputed per rank yet),
+    each with its reason, shared as before, outputs equal."""
+    from rope_dedup import share
+
+    torch.manual_seed(0)
+    reference = nn.Sequential(*(TPAttention(explicit=True) for _ in range(4))).to(device)
+    torch.manual_seed(0)
+    model = nn.Sequential(*(TPAttention(explicit=True) for _ in range(4))).to(device)
+    model = distribute_module(model, mesh, input_fn=lambda mod, inputs, mesh: tuple(
+        distribute_tensor(x, mesh, [Replicate()]) for x in inputs))
+    report = share(model, backend=RopeDedupBackend("eager"), tables="recompute")
+    tables = [b for layer in model for b in (layer.rope.cos, layer.rope.sin)]
+    x = torch.randn(2, 16, 32, generator=torch.Generator().manual_seed(1)).to(device)
+    return {
+        "recomputed": len(report.recomputed),
+        "kept": sorted({s.reason for s in report.skipped if s.kind.name == "NOT_EXACT"}),
+        "after": local_storages(tables),
+        "max_abs_diff": (model(x).to_local() - reference(x)).abs().max().item(),
+    }
+
+
 def main() -> None:
     out_dir = Path(sys.argv[1])
     device = "cuda" if "--device" in sys.argv and sys.argv[sys.argv.index("--device") + 1] == "cuda" else "cpu"
@@ -264,7 +286,8 @@ def main() -> None:
     mesh = init_device_mesh(device, (dist.get_world_size(),))
     cases = {"replicated": replicated_decoder, "tensor_parallel": tensor_parallel,
              "fsdp2_regional": fsdp2_regional, "pipeline": pipeline_chunks, "sharded": sharded_tables,
-             "meta_init_share": meta_init_share, "dtensor_move": dtensor_move_after_compile}
+             "meta_init_share": meta_init_share, "dtensor_move": dtensor_move_after_compile,
+             "recompute_dtensor": recompute_dtensor}
     selected = [c for c in cases if c in sys.argv] or list(cases)
     results = {}
     for name in selected:

@@ -84,6 +84,15 @@ def test_sharded_tables_are_skipped_with_reason(ranks) -> None:
         assert "0" not in rank["skipped"]  # the forward argument is an activation, not module state
 
 
+def test_recompute_keeps_dtensor_tables_with_reason(ranks) -> None:
+    for rank in ranks:
+        case = rank["recompute_dtensor"]
+        assert "error" not in case, case["error"]
+        assert case["recomputed"] == 0 and case["after"] == 2 and case["max_abs_diff"] == 0
+        assert case["kept"] == ["not recomputed (a DTensor: recomputing on each rank is not supported yet): it keeps "
+                                "its values"]
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL case needs 2 GPUs")
 def test_replicated_case_on_nccl(tmp_path) -> None:
     for rank in run_cases(tmp_path, "replicated", "--device", "cuda"):

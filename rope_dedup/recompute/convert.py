@@ -21,7 +21,7 @@ from rope_dedup.recompute.recipe import CHUNK_ROWS, Recipe, find_recipe
 from rope_dedup.recompute.table import RecomputedTable, _context, _State
 from rope_dedup.tables.keys import RopeKey, infer_key
 from rope_dedup.tables.recognize import RopeTable, recognize_rope_table
-from rope_dedup.tensors import Origin, is_dtensor, module_state, same_values, storage_nbytes
+from rope_dedup.tensors import Origin, is_dtensor, local, module_state, same_values, storage_nbytes
 
 
 @dataclass
@@ -50,7 +50,9 @@ class Converter:
                  tuple(tensor.stride()), tensor.dtype) if refusal is None else None
         known = self._by_storage.get(where) if where is not None else None
         if known is None:  # not the memory of a table converted already (shared tables: one look for all)
-            found = recognize_rope_table(tensor) if origin is not Origin.PARAMETER or not tensor.requires_grad else None
+            # A DTensor is recognized by its local shard, so that it is kept with its reason, not passed over.
+            found = recognize_rope_table(local(tensor)) if origin is not Origin.PARAMETER or not tensor.requires_grad \
+                else None
             if not isinstance(found, RopeTable) or found.length is None:
                 return None, None, None
             if refusal is not None or where is None:
