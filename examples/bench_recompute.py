@@ -99,17 +99,17 @@ def paired_ratios(calls: dict[str, Callable[[], Any]], against: str, rounds: int
 
 
 def run(layers: int, context: int, heads: int, head_dim: int, prefill: int, rounds: int,
-        unshared_max_gb: float, backend: str, layout: str) -> dict[str, Any]:
+        unshared_max_gb: float, backend: str, layout: str, control: bool = False) -> dict[str, Any]:
     table_bytes = context * (head_dim // 2) * 8  # complex64, or a float32 cos and sin of half its width
     result: dict[str, Any] = {"layers": layers, "context": context, "head_dim": head_dim, "layout": layout,
-                              "rope_bytes_unshared": layers * table_bytes}
+                              "control": control, "rope_bytes_unshared": layers * table_bytes}
     reset_peak()
     shared = build(layers, context, heads, head_dim, shared=True, layout=layout)
     result["build_peak_rss"] = peak_rss()
     recompute = copy.deepcopy(shared)
     reset_peak()
     start = time.perf_counter()
-    report = rope_dedup.share(recompute, tables="recompute")
+    report = rope_dedup.share(recompute, tables="share" if control else "recompute")
     result["convert_s"] = time.perf_counter() - start
     result["convert_peak_rss"] = peak_rss()
     result["recomputed"] = len(report.recomputed)
@@ -137,7 +137,9 @@ def mb(n: int) -> str:
 
 
 def show(name: str, r: dict[str, Any]) -> None:
-    print(f"{name}: {r['layers']} layers, {r['context']:,} positions, head_dim {r['head_dim']}, {r['layout']} tables")
+    control = " (control: the 'recompute' copy stays shared)" if r["control"] else ""
+    print(f"{name}: {r['layers']} layers, {r['context']:,} positions, head_dim {r['head_dim']}, {r['layout']} "
+          f"tables{control}")
     print(f"  RoPE bytes: unshared {mb(r['rope_bytes_unshared'])}, shared {mb(r['rope_bytes_shared'])}, "
           f"recompute {mb(r['rope_bytes_recompute'])} ({r['recomputed']} tables recomputed)")
     print(f"  peak RSS: build (inside sharing()) {mb(r['build_peak_rss'])}, conversion {mb(r['convert_peak_rss'])} "
@@ -164,6 +166,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backend", default="inductor", help="what each block is compiled with (default inductor)")
     parser.add_argument("--layout", default="complex", choices=("complex", "cos_sin"),
                         help="complex64 freqs_cis (default) or a float32 cos and sin per layer")
+    parser.add_argument("--control", action="store_true",
+                        help="an A/A check: the copy stays shared instead of recomputed, so its ratios show what "
+                             "the arrangement alone (built second, a deep copy) costs")
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -172,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, preset in presets.items():
         layers, context = args.layers or preset["layers"], args.context or preset["context"]
         results[name] = run(layers, context, args.heads, args.head_dim, args.prefill, args.rounds,
-                            args.unshared_max_gb, args.backend, args.layout)
+                            args.unshared_max_gb, args.backend, args.layout, args.control)
         show(name, results[name])
         torch._dynamo.reset()
     if args.json:
