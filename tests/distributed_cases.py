@@ -31,14 +31,19 @@ def local_storages(tensors) -> int:
     return len({(t.to_local() if isinstance(t, DTensor) else t).untyped_storage().data_ptr() for t in tensors})
 
 
-def replicated_decoder(mesh, device: str) -> dict:
-    """Case 1: every parameter and buffer a replicated DTensor (distribute_module), compiled whole."""
+def replicated_twins(mesh, device: str) -> tuple[nn.Module, nn.Module]:
+    """(plain reference, the same 4 layers with every parameter and buffer a replicated DTensor)."""
     torch.manual_seed(0)
     reference = nn.Sequential(*(TPAttention(explicit=True) for _ in range(4))).to(device)
     torch.manual_seed(0)
     model = nn.Sequential(*(TPAttention(explicit=True) for _ in range(4))).to(device)
-    model = distribute_module(model, mesh, input_fn=lambda mod, inputs, mesh: tuple(
+    return reference, distribute_module(model, mesh, input_fn=lambda mod, inputs, mesh: tuple(
         distribute_tensor(x, mesh, [Replicate()]) for x in inputs))
+
+
+def replicated_decoder(mesh, device: str) -> dict:
+    """Case 1: every parameter and buffer a replicated DTensor (distribute_module), compiled whole."""
+    reference, model = replicated_twins(mesh, device)
     tables = [b for layer in model for b in (layer.rope.cos, layer.rope.sin)]
     before = local_storages(tables)
     backend = RopeDedupBackend("aot_eager")
@@ -58,12 +63,7 @@ def replicated_decoder(mesh, device: str) -> dict:
 def dtensor_move_after_compile(mesh, device: str) -> dict:
     """Case: replicated DTensor model compiled through rope_dedup, then moved. ``Module._apply`` always swaps a
     DTensor parameter (torch.utils.swap_tensors), which refuses a tensor with a weak reference to it."""
-    torch.manual_seed(0)
-    reference = nn.Sequential(*(TPAttention(explicit=True) for _ in range(4))).to(device)
-    torch.manual_seed(0)
-    model = nn.Sequential(*(TPAttention(explicit=True) for _ in range(4))).to(device)
-    model = distribute_module(model, mesh, input_fn=lambda mod, inputs, mesh: tuple(
-        distribute_tensor(x, mesh, [Replicate()]) for x in inputs))
+    reference, model = replicated_twins(mesh, device)
     backend = RopeDedupBackend("aot_eager")
     x = torch.randn(2, 16, 32, generator=torch.Generator().manual_seed(1)).to(device)
     torch.compile(model, backend=backend)(x)
@@ -260,12 +260,7 @@ def recompute_dtensor(mesh, device: str) -> dict:
     each with its reason, shared as before, outputs equal."""
     from rope_dedup import share
 
-    torch.manual_seed(0)
-    reference = nn.Sequential(*(TPAttention(explicit=True) for _ in range(4))).to(device)
-    torch.manual_seed(0)
-    model = nn.Sequential(*(TPAttention(explicit=True) for _ in range(4))).to(device)
-    model = distribute_module(model, mesh, input_fn=lambda mod, inputs, mesh: tuple(
-        distribute_tensor(x, mesh, [Replicate()]) for x in inputs))
+    reference, model = replicated_twins(mesh, device)
     report = share(model, backend=RopeDedupBackend("eager"), tables="recompute")
     tables = [b for layer in model for b in (layer.rope.cos, layer.rope.sin)]
     x = torch.randn(2, 16, 32, generator=torch.Generator().manual_seed(1)).to(device)

@@ -375,14 +375,9 @@ def filled_on_demand(name: str) -> bool:
     return name.endswith(("cached_freqs", "filled_freqs"))
 
 
-def share_keeps_every_promise(case) -> None:
-    """share() in eager, again after each step: filled-on-demand caches (never full here: SEQ < max_len),
-    tables with fewer than two moving frequencies and persistent ones it was not asked to share keep their
-    own storage; every other distinct table is stored once, including ``original_inv_freq``, which no
-    forward reads but share() sees."""
-    backend = RopeDedupBackend("eager")
-    settings = {"backend": backend, "share_persistent": case["share_persistent"]}
-
+def shared_in_eager(case, settings: dict) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """(reference, model): the case's sequence run on both, ``share(model, **settings)`` after the first call and
+    after each step (and on the model ``free`` runs meanwhile), outputs asserted bitwise equal."""
     def shared(model: torch.nn.Module) -> torch.nn.Module:
         share(model, **settings)
         return model
@@ -397,6 +392,18 @@ def share_keeps_every_promise(case) -> None:
     assert len(outputs) == len(expected)
     for got, want in zip(outputs, expected):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
+    return reference, model
+
+
+def share_keeps_every_promise(case) -> None:
+    """share() in eager, again after each step: filled-on-demand caches (never full here: SEQ < max_len),
+    tables with fewer than two moving frequencies and persistent ones it was not asked to share keep their
+    own storage; every other distinct table is stored once, including ``original_inv_freq``, which no
+    forward reads but share() sees."""
+    backend = RopeDedupBackend("eager")
+    settings = {"backend": backend, "share_persistent": case["share_persistent"]}
+
+    reference, model = shared_in_eager(case, settings)
     own, distinct = 0, []
     keeps_own = own_storage(case, reference)
     for name, t in rope_tensors(reference):
@@ -418,22 +425,9 @@ def recompute_keeps_every_promise(case) -> None:
     skipped with a reason (filled caches, written tables, bare inv_freq vectors shared as before)."""
     backend = RopeDedupBackend("eager")
     settings = {"backend": backend, "share_persistent": case["share_persistent"], "tables": "recompute"}
-    reference = build(case["specs"], case["seed"], case["graph_break"], case["device"])
-    model = build(case["specs"], case["seed"], case["graph_break"], case["device"])
-
-    def converted(other: torch.nn.Module) -> torch.nn.Module:
-        share(other, **settings)
-        return other
-
-    with torch.no_grad(), warnings.catch_warnings():
+    with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # a reload of other values writes a recomputed table: said once
-        expected = run_sequence(case, reference, reference, lambda other: other)
-        model(tokens(0))
-        share(model, **settings)
-        outputs = run_sequence(case, model, model, converted, after_step=lambda: share(model, **settings))
-    assert len(outputs) == len(expected)
-    for got, want in zip(outputs, expected):
-        torch.testing.assert_close(got, want, rtol=0, atol=0)
+        _, model = shared_in_eager(case, settings)
     report = share(model, **settings)
     accounted = {m for g in report.groups for m in g.members} | {s.path for s in report.skipped} | \
         {r.path for r in report.recomputed}
