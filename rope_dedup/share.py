@@ -50,6 +50,11 @@ def _store(backend: RopeDedupBackend | None, settings: dict[str, Any]) -> tuple[
     return backend, backend._store_for(config), config.release_memory
 
 
+def _check_tables(tables: str) -> None:
+    if tables not in TABLES:
+        raise ValueError(f"tables must be one of {', '.join(map(repr, TABLES))}, got {tables!r}")
+
+
 def _still_filling(plan: Plan) -> Refusal | None:
     """A partly filled cache, or one equal to a partly filled canonical: see the module docstring."""
     key = plan.key if plan.action is Action.NEW else plan.group.key if plan.action is Action.JOIN else None  # type: ignore[union-attr]
@@ -86,8 +91,7 @@ def share(*models: torch.nn.Module, backend: RopeDedupBackend | None = None, tab
     one frequency vector per key (``report.recomputed``); the others are shared as above, each with its
     reason in ``report.skipped``.
     """
-    if tables not in TABLES:
-        raise ValueError(f"tables must be one of {', '.join(map(repr, TABLES))}, got {tables!r}")
+    _check_tables(tables)
     if not models:
         raise TypeError("share() needs at least one nn.Module")
     for model in models:
@@ -135,8 +139,7 @@ class sharing:  # noqa: N801 (used as a context manager, like torch.no_grad)
     _active: sharing | None = None
 
     def __init__(self, backend: RopeDedupBackend | None = None, tables: str = "share", **settings: Any) -> None:
-        if tables not in TABLES:
-            raise ValueError(f"tables must be one of {', '.join(map(repr, TABLES))}, got {tables!r}")
+        _check_tables(tables)
         self.backend, self.store, self._release = _store(backend, settings)
         # tables="recompute": each table a recipe reproduces is replaced as it registers. The converter holds
         # the first table of each key until the block ends, so the build holds one table per key at most.

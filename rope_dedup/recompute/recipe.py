@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from typing import Iterator, Sequence
 
 import torch
 
@@ -101,20 +102,22 @@ class Recipe:
         return self if dtype == self.dtype else replace(self, casts=self.casts + (dtype,))
 
 
-def position_dim(tensor: torch.Tensor) -> int | None:
+def position_dim(shape: Sequence[int]) -> int | None:
     """The dim that counts positions: the first one longer than 1 (recognition squeezes the others away)."""
-    return next((d for d, size in enumerate(tensor.shape) if size > 1), None)
+    return next((d for d, size in enumerate(shape) if size > 1), None)
+
+
+def row_chunks(recipe: Recipe, device: torch.device) -> Iterator[tuple[slice, torch.Tensor]]:
+    """The table's rows :data:`CHUNK_ROWS` at a time: (the slice, its positions as int64 on ``device``)."""
+    for start in range(0, recipe.length, CHUNK_ROWS):
+        stop = min(start + CHUNK_ROWS, recipe.length)
+        yield slice(start, stop), torch.arange(start, stop, device=device, dtype=torch.int64)
 
 
 def reproduces(recipe: Recipe, tensor: torch.Tensor) -> bool:
     """Whether ``recipe`` gives every value of ``tensor`` bit for bit, a chunk of rows at a time."""
     table = tensor.detach().movedim(recipe.pos_dim, 0)
-    for start in range(0, recipe.length, CHUNK_ROWS):
-        stop = min(start + CHUNK_ROWS, recipe.length)
-        positions = torch.arange(start, stop, device=tensor.device, dtype=torch.int64)
-        if not same_values(recipe.rows(positions), table[start:stop]):
-            return False
-    return True
+    return all(same_values(recipe.rows(positions), table[rows]) for rows, positions in row_chunks(recipe, tensor.device))
 
 
 def find_recipe(tensor: torch.Tensor, table: RopeTable, theta: float | None, dim: int | None) -> Recipe | str:
@@ -128,7 +131,7 @@ def find_recipe(tensor: torch.Tensor, table: RopeTable, theta: float | None, dim
         return f"a cache being filled ({table.filled} of {table.length} positions written)"
     if table.layout.arrangement is Arrangement.FREQUENCIES:
         return "a bare inv_freq vector, not a table of positions"
-    pos_dim = position_dim(tensor)
+    pos_dim = position_dim(tensor.shape)
     if pos_dim is None or tensor.shape[pos_dim] != table.length:
         return f"shape {tuple(tensor.shape)}: no dim of {table.length} positions"
     if table.length > 1 << 24:
@@ -189,7 +192,7 @@ def _solve_columns(recipe: Recipe, tensor: torch.Tensor, table: RopeTable) -> to
     again in wider windows, alone, so the candidates stay a few million values at most."""
     length, device = recipe.length, tensor.device
     probes = torch.unique(torch.cat([
-        torch.linspace(0, length - 1, _PROBE_ROWS // 2, device=device).round().to(torch.int64),
+        torch.linspace(0, length - 1, _PROBE_ROWS // 2, device=device, dtype=torch.float64).round().to(torch.int64),
         torch.arange(max(0, length - _PROBE_ROWS // 2), length, device=device, dtype=torch.int64),
     ]))
     measured = table.freqs.to(device=device, dtype=torch.float64)
@@ -229,10 +232,8 @@ def _differing(recipe: Recipe, tensor: torch.Tensor) -> tuple[torch.Tensor, torc
     """(some rows where ``recipe`` differs from ``tensor``, the columns that differ anywhere), a chunk at a time."""
     table = tensor.detach().movedim(recipe.pos_dim, 0)
     rows, columns = [], torch.zeros(recipe.inv_freq.numel(), device=tensor.device, dtype=torch.bool)
-    for start in range(0, recipe.length, CHUNK_ROWS):
-        stop = min(start + CHUNK_ROWS, recipe.length)
-        positions = torch.arange(start, stop, device=tensor.device, dtype=torch.int64)
-        differ = bits(_blocks(recipe, recipe.rows(positions))).ne(bits(_blocks(recipe, table[start:stop])))
+    for chunk, positions in row_chunks(recipe, tensor.device):
+        differ = bits(_blocks(recipe, recipe.rows(positions))).ne(bits(_blocks(recipe, table[chunk])))
         differ = differ.any(dim=1)  # (rows, n)
         columns |= differ.any(dim=0)
         rows.append(positions[differ.any(dim=1)][:_PROBE_ROWS])

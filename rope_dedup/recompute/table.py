@@ -28,7 +28,7 @@ from torch.utils._pytree import tree_map
 
 from rope_dedup.core.eligibility import NO_TABLE
 
-from rope_dedup.recompute.recipe import CHUNK_ROWS, Recipe
+from rope_dedup.recompute.recipe import Recipe, position_dim, reproduces, row_chunks
 from rope_dedup.tables.keys import RopeKey
 from rope_dedup.tensors import same_values
 
@@ -154,21 +154,14 @@ def _rebuild(fields: tuple, inv_freq: torch.Tensor, name: str, materialized: tor
 
 
 def _copies_own_values(table: Any, source: Any) -> bool:
-    """Whether ``table.copy_(source)`` would write what a still recomputed ``table`` already reads, bit for bit
-    (checked a chunk of rows at a time)."""
+    """Whether ``table.copy_(source)`` would write what a still recomputed ``table`` already reads, bit for bit."""
     if not isinstance(table, RecomputedTable) or table.state.materialized is not None:
         return False
     if isinstance(source, RecomputedTable) or not isinstance(source, torch.Tensor):
         return False
     if source.shape != table.shape or source.dtype != table.dtype or source.device != table.device:
         return False
-    here, there = source.movedim(table.recipe.pos_dim, 0), table.recipe
-    for start in range(0, there.length, CHUNK_ROWS):
-        stop = min(start + CHUNK_ROWS, there.length)
-        rows = there.rows(torch.arange(start, stop, device=table.device, dtype=torch.int64))
-        if not same_values(rows, here[start:stop].reshape(rows.shape)):
-            return False
-    return True
+    return reproduces(table.recipe, source)
 
 
 def _plain_for(func: Any) -> Callable[[Any], Any]:
@@ -301,7 +294,9 @@ def _alias(table: RecomputedTable, shape: tuple[int, ...] | None = None) -> Reco
     shape = tuple(table.shape) if shape is None else tuple(shape)
     if [s for s in shape if s != 1] != [s for s in table.shape if s != 1]:
         return NotImplemented
-    pos_dim = next(d for d, size in enumerate(shape) if size > 1)
+    pos_dim = position_dim(shape)
+    if pos_dim is None:
+        return NotImplemented
     return RecomputedTable(replace(table.recipe, shape=shape, pos_dim=pos_dim), table.state)
 
 
@@ -445,13 +440,10 @@ def _to_copy(table: RecomputedTable, dtype: torch.dtype | None = None, device: A
 
 
 def _same_on(here: Recipe, there: Recipe) -> bool:
-    for start in range(0, here.length, CHUNK_ROWS):
-        stop = min(start + CHUNK_ROWS, here.length)
-        positions = torch.arange(start, stop, device=here.inv_freq.device, dtype=torch.int64)
-        mine = here.rows(positions).to(there.inv_freq.device)
-        if not same_values(mine, there.rows(positions.to(there.inv_freq.device))):
-            return False
-    return True
+    """Whether ``there`` (on another device) computes ``here``'s rows bit for bit, a chunk at a time."""
+    device = there.inv_freq.device
+    return all(same_values(here.rows(positions).to(device), there.rows(positions.to(device)))
+               for _, positions in row_chunks(here, here.inv_freq.device))
 
 
 NO_TABLE.add(RecomputedTable)
