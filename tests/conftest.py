@@ -18,6 +18,14 @@ from torch._dynamo.utils import counters
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
+# Each pytest-xdist worker gets its share of the cores, and so do the scripts it starts (examples, the CLI):
+# two workers with an OpenMP pool of every core each spin against each other, and a test of small ops then
+# ran 10x slower than alone (49 s against 4.5 s on 2 cores).
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
+    _THREADS = max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
+    os.environ["OMP_NUM_THREADS"] = str(_THREADS)
+    torch.set_num_threads(_THREADS)
+
 
 @pytest.fixture(autouse=True)
 def fresh_dynamo(tmp_path_factory, monkeypatch):
