@@ -359,6 +359,53 @@ def test_aot_eager_is_bitwise_and_regional_compile_does_not_recompile_per_layer(
     assert counters["stats"]["unique_graphs"] == 2  # one per length, none per layer
 
 
+def graphs_compiled(model: nn.Module) -> list[torch.fx.GraphModule]:
+    """The forward graphs AOTAutograd hands its compiler for ``model`` compiled whole (eager kernels run them)."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    graphs: list[torch.fx.GraphModule] = []
+    compiled = torch.compile(model, backend=aot_autograd(fw_compiler=lambda gm, _: graphs.append(gm) or gm))
+    with torch.no_grad():
+        compiled(TOKENS)
+    return graphs
+
+
+def ops_in(graphs: list[torch.fx.GraphModule], op: object) -> int:
+    return sum(node.target is op for gm in graphs for node in gm.graph.nodes)
+
+
+def test_a_graph_computes_the_rows_of_one_read_once():
+    """Each block reads its freqs_cis twice (q and k): the graph computes those rows once per layer (4), where
+    the shared table is sliced twice per layer (8)."""
+    model, twin = twins(homogeneous(4, layout="complex"))
+    rope_dedup.share(twin)
+    rope_dedup.share(model, tables="recompute")
+    assert ops_in(graphs_compiled(twin), torch.ops.aten.slice.Tensor) >= 8
+    torch._dynamo.reset()
+    assert ops_in(graphs_compiled(model), torch.ops.aten.polar.default) == 4
+
+
+def test_a_second_compile_is_a_hit_in_the_aot_autograd_cache():
+    """The subclass gives AOTAutograd a stable hash of its recipe: the same block compiled again (a new process
+    would do the same) comes from the cache, not a fresh trace, with the same outputs."""
+    model, twin = twins(homogeneous(1, layout="complex"))
+    rope_dedup.share(model, tables="recompute")
+    outputs = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            torch._dynamo.reset()
+            counters.clear()
+            with torch.no_grad():
+                outputs.append(torch.compile(model, backend="inductor")(TOKENS))
+    assert not [w for w in caught if "_stable_hash_for_caching" in str(w.message)]
+    assert counters["aot_autograd"]["autograd_cache_hit"] == 1, dict(counters["aot_autograd"])
+    assert counters["aot_autograd"]["autograd_cache_bypass"] == 0
+    with torch.no_grad():
+        torch.testing.assert_close(outputs[1], twin(TOKENS))
+    assert torch.equal(outputs[0], outputs[1])
+
+
 def test_dynamic_shapes_compile_once():
     model, twin = twins(homogeneous(2, layout="cos_sin"))
     rope_dedup.share(model, tables="recompute")

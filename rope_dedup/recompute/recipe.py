@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from functools import cached_property
 from typing import Iterator, Sequence
 
 import torch
@@ -52,6 +53,12 @@ class Recipe:
     @property
     def dtype(self) -> torch.dtype:
         return self.casts[-1] if self.casts else self.via
+
+    @cached_property
+    def fields(self) -> tuple[tuple[str, object], ...]:
+        """Every field but the vector, as (name, value) pairs: what a traced graph depends on. Kept, since
+        ``__tensor_flatten__`` asks for it on every call of a compiled graph."""
+        return tuple((name, getattr(self, name)) for name in Recipe.__dataclass_fields__ if name != "inv_freq")
 
     @property
     def length(self) -> int:

@@ -24,7 +24,9 @@ from typing import Any, Callable
 
 import torch
 from torch._subclasses.fake_tensor import is_fake
+from torch.fx.experimental.proxy_tensor import get_proxy_mode
 from torch.utils._pytree import tree_map
+from torch.utils.weak import WeakIdKeyDictionary
 
 from rope_dedup.core.eligibility import NO_TABLE
 
@@ -144,8 +146,7 @@ class RecomputedTable(torch.Tensor):
 
 
 def _context(recipe: Recipe, materialized: bool) -> tuple:
-    fields = tuple((name, getattr(recipe, name)) for name in Recipe.__dataclass_fields__ if name != "inv_freq")
-    return fields, materialized
+    return recipe.fields, materialized
 
 
 def _rebuild(fields: tuple, inv_freq: torch.Tensor, name: str, materialized: torch.Tensor | None,
@@ -307,6 +308,26 @@ def _rows(table: RecomputedTable, positions: torch.Tensor, dim: int) -> torch.Te
     return rows.reshape(shape[:dim] + tuple(positions.shape) + shape[dim + 1:])
 
 
+# Rows computed while one graph is traced, per tracer: a layer reads its table's rows once for q and once for
+# k, and the graph computes them once (each layer's table comes into the trace as its own input).
+_TRACED: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def _once_per_graph(table: RecomputedTable, read: tuple, compute: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """``compute()``, or the rows this graph's trace already computed for the same vector, recipe and read.
+
+    Only while a graph is traced (a proxy mode): there, rows are never written (a write is refused), so one
+    computation can serve every read. Bounds that are symbols (dynamic shapes) are computed each time."""
+    mode = get_proxy_mode()
+    if mode is None or not all(type(v) in (int, str) for v in read):
+        return compute()
+    seen = _TRACED.setdefault(mode, {})
+    key = (id(table.inv_freq), _context(table.recipe, False), read)
+    if key not in seen:
+        seen[key] = (table.inv_freq, compute())  # the vector held: its id stays its own while the trace lasts
+    return seen[key][1]
+
+
 def _positions(start: int, stop: int, step: int, table: RecomputedTable) -> torch.Tensor:
     return torch.arange(start, stop, step, device=table.inv_freq.device, dtype=torch.int64)
 
@@ -334,7 +355,8 @@ def _slice(table: RecomputedTable, dim: int = 0, start: int | None = None, end: 
     begin, stop = _bound(start, size, 0), _bound(end, size, size)
     if dim != table.recipe.pos_dim:
         return _alias(table) if (begin, stop, step) == (0, size, 1) else NotImplemented
-    rows = _rows(table, _positions(begin, torch.sym_max(begin, stop), step, table), dim)
+    rows = _once_per_graph(table, ("slice", dim, begin, stop, step),
+                           lambda: _rows(table, _positions(begin, torch.sym_max(begin, stop), step, table), dim))
     return RecomputedRows(rows, table, ((aten.slice.Tensor, (dim, start, end, step), {}, None),))
 
 
@@ -353,7 +375,8 @@ def _select(table: RecomputedTable, dim: int, index: int) -> Any:
     if dim != table.recipe.pos_dim:
         return _alias(table, tuple(table.shape[:dim]) + tuple(table.shape[dim + 1:]))
     index = index + table.shape[dim] if index < 0 else index
-    rows = _rows(table, _positions(index, index + 1, 1, table), dim).squeeze(dim)
+    rows = _once_per_graph(table, ("select", dim, index),
+                           lambda: _rows(table, _positions(index, index + 1, 1, table), dim).squeeze(dim))
     return RecomputedRows(rows, table, ((aten.select.int, (dim, index), {}, None),))
 
 
