@@ -7,7 +7,9 @@ module's name runs that pass alone.
 - :mod:`dedup_rope` shares identical RoPE tables through the canonical store and rewrites their uses;
 - :mod:`merge_rope_subgraphs` merges identical RoPE computations in ``forward`` (CSE);
 - :mod:`fold_rope_constants` folds constant-only RoPE computations into one shared table each;
-- :mod:`dedup_exported` does what ``dedup_rope`` does for a ``torch.export`` program;
+- :mod:`recompute_reads` gives an exported program's table reads the rows they read, computed from a
+  frequency vector (``rope_dedup.dedup_exported(ep, tables="recompute")``, which shares as ``dedup_rope``
+  does for a ``torch.export`` program);
 
 and the analyses they use: :mod:`find_candidates` lists the module state a graph reads,
 :mod:`find_mutations` finds values written in place (the package's rules for "may alias" and

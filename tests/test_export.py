@@ -184,3 +184,78 @@ def test_a_functional_program_reports_its_buffer_mutations() -> None:
         assert "BUFFER_MUTATION" in reasons[f"layers.{layer}.attention.rope.cached_freqs"]
     with torch.no_grad():
         torch.testing.assert_close(deduped.module()(TOKENS), functional.module()(TOKENS), rtol=0, atol=0)
+
+
+# -- tables="recompute" ----------------------------------------------------------------------------------------
+
+class Rows(nn.Module):
+    """A cos table read by rows (a slice along its positions), and a sin table read whole."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        cos, sin = rope_table(length=64)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.cos[: x.shape[0]] + self.sin.sum()
+
+
+class TestRecompute(expecttest.TestCase):
+    def test_a_read_of_rows_computes_those_rows_and_a_whole_read_keeps_its_table(self) -> None:
+        model = Rows()
+        x = torch.randn(8, 4)
+        recomputed = dedup_exported(torch.export.export(model, (x,)), tables="recompute")
+        self.assertExpectedInline(recomputed.graph_module.code.strip(), """\
+def forward(self, c_cos_inv_freq, b_sin, x):
+    arange = torch.ops.aten.arange.start_step(0, 8, dtype = torch.int64, device = device(type='cpu'), pin_memory = False)
+    view = torch.ops.aten.view.default(arange, [-1]);  arange = None
+    _to_copy = torch.ops.aten._to_copy.default(view, dtype = torch.float32, device = device(type='cpu'));  view = None
+    view_1 = torch.ops.aten.view.default(_to_copy, [8, 1]);  _to_copy = None
+    mul_1 = torch.ops.aten.mul.Tensor(view_1, c_cos_inv_freq);  view_1 = c_cos_inv_freq = None
+    cos = torch.ops.aten.cos.default(mul_1);  mul_1 = None
+    view_2 = torch.ops.aten.view.default(cos, [8, 4]);  cos = None
+    view_3 = torch.ops.aten.view.default(view_2, [8, 4]);  view_2 = None
+    mul = torch.ops.aten.mul.Tensor(x, view_3);  x = view_3 = None
+    sum_1 = torch.ops.aten.sum.default(b_sin);  b_sin = None
+    add = torch.ops.aten.add.Tensor(mul, sum_1);  mul = sum_1 = None
+    return (add,)""")
+        torch.testing.assert_close(recomputed.module()(x), model(x), rtol=0, atol=0)
+        report = recomputed.graph_module.meta["rope_dedup_report"]
+        assert [r.path for r in report.recomputed] == ["cos"] and report.recomputed_bytes == 4 * 4
+        reasons = {s.path: s.reason for s in report.skipped}
+        assert "reads the whole table" in reasons["sin"], reasons
+
+
+@pytest.mark.parametrize("layout", ["complex", "cos_sin", "hf_halves", "titan_cos_sin", "stacked"])
+def test_recompute_leaves_no_table_in_the_program_and_equal_outputs(layout: str) -> None:
+    model = ToyDecoder(homogeneous(3, layout=layout, max_len=64) + [TableRecipe(layout=layout, max_len=64, theta=1e6)])
+    model.eval()
+    ep = torch.export.export(model, (TOKENS,))
+    recomputed = dedup_exported(ep, tables="recompute")
+    with torch.no_grad():
+        torch.testing.assert_close(recomputed.module()(TOKENS), model(TOKENS), rtol=0, atol=0)
+    assert [name for name in rope_inputs(recomputed) if not name.endswith("_inv_freq")] == []
+    report = recomputed.graph_module.meta["rope_dedup_report"]
+    vectors = [name for name in recomputed.constants if name.endswith("_inv_freq")]
+    assert len(vectors) == 2  # one per theta
+    assert report.recomputed and report.recomputed_bytes == 2 * 8 * 4
+
+
+def test_recompute_shrinks_the_saved_file_by_the_tables_bytes(tmp_path) -> None:
+    model = ToyDecoder(homogeneous(2, layout="complex", max_len=8192)).eval()
+    ep = torch.export.export(model, (TOKENS,))
+    shared, recomputed = dedup_exported(ep), dedup_exported(ep, tables="recompute")
+    torch.export.save(shared, tmp_path / "shared.pt2")
+    torch.export.save(recomputed, tmp_path / "recomputed.pt2")
+    table = 8192 * 8 * 8  # the one complex64 (8192, 8) table the shared program keeps
+    assert os.path.getsize(tmp_path / "shared.pt2") - os.path.getsize(tmp_path / "recomputed.pt2") >= 0.9 * table
+    loaded = torch.export.load(tmp_path / "recomputed.pt2")
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.module()(TOKENS), model(TOKENS), rtol=0, atol=0)
+
+
+def test_tables_takes_share_or_recompute() -> None:
+    ep = torch.export.export(Rows(), (torch.randn(8, 4),))
+    with pytest.raises(ValueError, match="takes 'share' or 'recompute', got 'none'"):
+        dedup_exported(ep, tables="none")
