@@ -45,7 +45,7 @@ TAKES_INNER = {name for name in EXPECTED
 ARGS = {"bench_computed_rope.py": ["--layers", "2", "--context", "256", "--seq", "16", "--rounds", "2",
                                    "--warmup", "1", "--inners", "eager", "--modes", "forward"],
         "bench_step_time.py": ["--layers", "2", "--rounds", "4", "--warmup", "1", "--inner", "eager",
-                               "--processes", "2"],
+                               "--processes", "1"],
         "bench_move_peak.py": ["--layers", "4", "--context", "1024"],
         "bench_recompute.py": ["--preset", "titan-128k", "--layers", "2", "--context", "8192", "--rounds", "2",
                                "--prefill", "16", "--backend", "eager"]}

@@ -92,7 +92,8 @@ def test_sharing_while_building_under_the_device(device: torch.device) -> None:
     assert not backend.report.errors
 
 
-@pytest.mark.parametrize("inner", ["eager", "inductor"])
+# inductor on the CPU repeats test_backend.py's inductor tests: slow set (``-m device`` runs it on a GPU).
+@pytest.mark.parametrize("inner", ["eager", pytest.param("inductor", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("regional", [False, True], ids=["whole", "regional"])
 def test_backend_on_a_toy_decoder(inner: str, regional: bool, device: torch.device) -> None:
     specs = local_global(4) + homogeneous(2, layout="inv_freq") + homogeneous(2, layout="lazy_cache")

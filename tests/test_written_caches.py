@@ -38,7 +38,8 @@ def steps(model: torch.nn.Module, backend, lengths) -> list[tuple[torch.Tensor, 
 LENGTHS = (8, 8, 16, 16, 16)
 
 
-@pytest.mark.parametrize("inner", ["eager", "aot_eager"])
+# aot_eager repeats eager's decisions through a second tracer (a dozen graphs): slow set.
+@pytest.mark.parametrize("inner", ["eager", pytest.param("aot_eager", marks=pytest.mark.slow)])
 def test_filled_then_read_caches_share_and_unshare_before_each_write(inner: str) -> None:
     torch.manual_seed(0)
     plain = steps(RotaryStack(layers=4).eval(), inner, LENGTHS)
