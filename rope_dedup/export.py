@@ -25,11 +25,10 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import ExportGraphSignature, InputKind, InputSpec, OutputKind, TensorArgument
 
 from rope_dedup.tensors import Origin
-from rope_dedup.core.eligibility import in_state_dict
+from rope_dedup.core.eligibility import Refusal, SkipReason, in_state_dict
 from rope_dedup.passes.find_mutations import find_mutations
 from rope_dedup.passes.recompute_reads import recompute_reads
 from rope_dedup.passes.redirect_to_canonical import redirect_to_canonical
-from rope_dedup.core.eligibility import Refusal, SkipReason
 from rope_dedup.core.report import DedupReport, Recomputed, Skip
 from rope_dedup.recompute.convert import Converter
 from rope_dedup.recompute.table import RecomputedTable
