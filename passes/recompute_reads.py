@@ -20,7 +20,8 @@ from rope_dedup.recompute.recipe import Recipe
 aten = torch.ops.aten
 
 
-def recompute_reads(gm: torch.fx.GraphModule, table: torch.fx.Node, vector: torch.fx.Node, recipe: Recipe) -> str | None:
+def recompute_reads(gm: torch.fx.GraphModule, table: torch.fx.Node, vector: torch.fx.Node,
+                    recipe: Recipe) -> str | None:
     """Rewrite each read of ``table`` into rows computed from ``vector`` (an input holding ``recipe.inv_freq``,
     its ``meta["val"]`` a fake tensor of the program's fake mode, as the position inputs' are).
 
@@ -56,41 +57,35 @@ def _plan(use: torch.fx.Node, recipe: Recipe) -> tuple[Callable[..., torch.Tenso
         if dim != recipe.pos_dim:
             return f"slices dim {dim}, not the positions"
         begin, stop, _ = slice(start, end, step).indices(recipe.length)
-        return (lambda v: _rows(recipe, v, torch.arange(begin, max(begin, stop), step, device=v.device,
-                                                        dtype=torch.int64))), []
+        return (lambda v: recipe.with_inv_freq(v).rows_in_place(
+            torch.arange(begin, max(begin, stop), step, device=v.device, dtype=torch.int64))), []
     if use.target is aten.select.int:
         dim, index = args[1] % dim_count, args[2]
         if dim != recipe.pos_dim or not isinstance(index, int):
             return f"selects along dim {dim}" if dim != recipe.pos_dim else "selects a position that is a symbol"
         index %= recipe.length
-        return (lambda v: _rows(recipe, v, torch.arange(index, index + 1, device=v.device,
-                                                        dtype=torch.int64)).squeeze(dim)), []
+        return (lambda v: recipe.with_inv_freq(v).rows_in_place(
+            torch.arange(index, index + 1, device=v.device, dtype=torch.int64)).squeeze(dim)), []
     if use.target is aten.index.Tensor:
         indices = args[1]
         if len(indices) != recipe.pos_dim + 1 or any(i is not None for i in indices[:recipe.pos_dim]):
             return "indexes dims other than the positions"
-        return _at_positions(recipe, indices[recipe.pos_dim], recipe.pos_dim)
+        return _at_positions(recipe, indices[recipe.pos_dim])
     if use.target is aten.index_select.default:
         if args[1] % dim_count != recipe.pos_dim:
             return "selects along another dim"
-        return _at_positions(recipe, args[2], recipe.pos_dim)
+        return _at_positions(recipe, args[2])
     if use.target is aten.embedding.default and dim_count == 2 and recipe.pos_dim == 0:
-        return _at_positions(recipe, args[1], 0)
+        return _at_positions(recipe, args[1])
     return "reads the whole table: it keeps its input"
 
 
-def _at_positions(recipe: Recipe, positions: Any, dim: int) -> tuple[Callable[..., torch.Tensor], list[torch.fx.Node]] | str:
+def _at_positions(recipe: Recipe, positions: Any) -> tuple[Callable[..., torch.Tensor], list[torch.fx.Node]] | str:
     value = positions.meta.get("val") if isinstance(positions, torch.fx.Node) else None
     if not isinstance(value, torch.Tensor) or value.dtype not in (torch.int64, torch.int32) \
             or not all(isinstance(s, int) for s in value.shape):
         return "indexes with positions that are not an integer tensor of a static shape"
     # A negative position counts from the end, as indexing the table would.
-    return (lambda v, p: _rows(recipe, v, torch.where(p < 0, p + recipe.length, p).to(torch.int64), dim)), [positions]
-
-
-def _rows(recipe: Recipe, vector: torch.Tensor, positions: torch.Tensor, dim: int | None = None) -> torch.Tensor:
-    """The rows at ``positions``, placed where the table's position dim was (every dim before it is 1)."""
-    rows = recipe.with_inv_freq(vector).rows(positions)
-    dim = recipe.pos_dim if dim is None else dim
-    return rows.reshape(recipe.shape[:dim] + tuple(positions.shape) + recipe.shape[dim + 1:])
+    return (lambda v, p: recipe.with_inv_freq(v).rows_in_place(
+        torch.where(p < 0, p + recipe.length, p).to(torch.int64))), [positions]
 

@@ -79,6 +79,12 @@ class Recipe:
             values = values.to(dtype)
         return values.reshape(tuple(positions.shape) + self.row_shape)
 
+    def rows_in_place(self, positions: torch.Tensor) -> torch.Tensor:
+        """The rows at ``positions`` where the table holds them: ``positions``' dims take the position dim's
+        place (every dim before it has size 1), as a slice or an index of the table along it gives them."""
+        d = self.pos_dim
+        return self.rows(positions).reshape(self.shape[:d] + tuple(positions.shape) + self.shape[d + 1:])
+
     def _part(self, part: Part, angle: torch.Tensor) -> torch.Tensor:
         if part is Part.ANGLE:
             return angle

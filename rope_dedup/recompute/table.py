@@ -301,13 +301,6 @@ def _alias(table: RecomputedTable, shape: tuple[int, ...] | None = None) -> Reco
     return RecomputedTable(replace(table.recipe, shape=shape, pos_dim=pos_dim), table.state)
 
 
-def _rows(table: RecomputedTable, positions: torch.Tensor, dim: int) -> torch.Tensor:
-    """Rows at ``positions`` placed where the position dim was: every dim before it has size 1."""
-    rows = table.recipe.rows(positions)
-    shape = tuple(table.shape)
-    return rows.reshape(shape[:dim] + tuple(positions.shape) + shape[dim + 1:])
-
-
 # Rows computed while one graph is traced, per tracer: a layer reads its table's rows once for q and once for
 # k, and the graph computes them once (each layer's table comes into the trace as its own input).
 _TRACED: WeakIdKeyDictionary = WeakIdKeyDictionary()
@@ -356,7 +349,8 @@ def _slice(table: RecomputedTable, dim: int = 0, start: int | None = None, end: 
     if dim != table.recipe.pos_dim:
         return _alias(table) if (begin, stop, step) == (0, size, 1) else NotImplemented
     rows = _once_per_graph(table, ("slice", dim, begin, stop, step),
-                           lambda: _rows(table, _positions(begin, torch.sym_max(begin, stop), step, table), dim))
+                           lambda: table.recipe.rows_in_place(
+                               _positions(begin, torch.sym_max(begin, stop), step, table)))
     return RecomputedRows(rows, table, ((aten.slice.Tensor, (dim, start, end, step), {}, None),))
 
 
@@ -376,7 +370,7 @@ def _select(table: RecomputedTable, dim: int, index: int) -> Any:
         return _alias(table, tuple(table.shape[:dim]) + tuple(table.shape[dim + 1:]))
     index = index + table.shape[dim] if index < 0 else index
     rows = _once_per_graph(table, ("select", dim, index),
-                           lambda: _rows(table, _positions(index, index + 1, 1, table), dim).squeeze(dim))
+                           lambda: table.recipe.rows_in_place(_positions(index, index + 1, 1, table)).squeeze(dim))
     return RecomputedRows(rows, table, ((aten.select.int, (dim, index), {}, None),))
 
 
@@ -389,7 +383,7 @@ def _index(table: RecomputedTable, indices: list[torch.Tensor | None]) -> Any:
     if positions is None or positions.dtype not in (torch.int64, torch.int32):
         return NotImplemented
     positions = positions.to(torch.int64)
-    return _rows(table, torch.where(positions < 0, positions + table.recipe.length, positions), dim)
+    return table.recipe.rows_in_place(torch.where(positions < 0, positions + table.recipe.length, positions))
 
 
 @_implements(aten.index_select.default)
@@ -397,7 +391,7 @@ def _index_select(table: RecomputedTable, dim: int, index: torch.Tensor) -> Any:
     dim %= table.dim()
     if dim != table.recipe.pos_dim or index.dim() > 1:
         return NotImplemented
-    return _rows(table, index.to(torch.int64).reshape(-1), dim)
+    return table.recipe.rows_in_place(index.to(torch.int64).reshape(-1))
 
 
 @_implements(aten.embedding.default)
