@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from importlib.metadata import entry_points
@@ -17,8 +18,10 @@ from rope_dedup.interning import InterningCallable
 from rope_dedup.core.dynamo_state import release_tensor_refs_at_compile_end
 from rope_dedup.core.memory import release_if_freed
 from rope_dedup.passes.pipeline import run_pipeline
-from rope_dedup.core.report import DedupReport
+from rope_dedup.core.eligibility import SkipReason
+from rope_dedup.core.report import DedupReport, Recomputed, Skip
 from rope_dedup.core.store import CanonicalStore
+from rope_dedup.recompute.at_compile import CompileTimeConverter
 
 log = logging.getLogger("rope_dedup")
 
@@ -54,10 +57,6 @@ class RopeDedupBackend:
 
     def __init__(self, inner: str | Callable = "inductor", *, config: RopeDedupConfig | None = None,
                  **options: Any) -> None:
-        if "tables" in options:  # share()'s and sharing()'s setting: say where it goes, not just "unknown"
-            raise TypeError("tables= is not a backend option: convert with rope_dedup.share(model, "
-                            "tables=\"recompute\") (or build inside rope_dedup.sharing(tables=\"recompute\")) before "
-                            "torch.compile; the backend then leaves recomputed tables alone (docs/recompute.md)")
         if config is None:
             unknown = sorted(set(options) - set(RopeDedupConfig.option_names()))
             if unknown:
@@ -76,6 +75,9 @@ class RopeDedupBackend:
         self.pass_seconds: dict[str, float] = {}  # pass name -> seconds, all graphs together
         self.copy_seconds = 0.0  # the safety copy of each graph (see __call__), all graphs together
         self.errors: list[str] = []
+        self._recompute = CompileTimeConverter()  # tables="recompute": one frequency vector per key, all graphs
+        self._recomputed: dict[str, Recomputed] = {}  # path -> the table recomputed there
+        self._kept: dict[str, Skip] = {}  # path -> why a table was not recomputed
 
     # The name this backend is registered under: dynamo treats a backend with a ``compiler_name`` it knows as
     # registered, and then drops its own weak references to the model's tensors when each frame's compile ends
@@ -137,6 +139,8 @@ class RopeDedupBackend:
         config, inner = self._config_for(compile_kwargs)
         store = self._store_for(config)
         release_tensor_refs_at_compile_end(gm)
+        if config.tables == "recompute":
+            example_inputs = self._convert(gm, example_inputs, config)
         started = time.perf_counter()
         pristine = _copy_graph_module(gm)  # compiled instead if the passes fail, or merged inputs part
         self.copy_seconds += time.perf_counter() - started
@@ -170,15 +174,40 @@ class RopeDedupBackend:
         return InterningCallable(compiled, store, result.watched_inputs, result.merged_inputs, fallback,
                                  release_memory=config.release_memory)
 
+    def _convert(self, gm: torch.fx.GraphModule, example_inputs: Sequence, config: RopeDedupConfig) -> Sequence:
+        """tables="recompute": the model's tables recomputed before dynamo guards on them; the graph's inputs
+        with the recomputed tables in place. A failure converts nothing (strict: raises)."""
+        try:
+            inputs, conversion = self._recompute.convert(gm, example_inputs, dry_run=config.dry_run)
+        except Exception as error:
+            if config.strict:
+                raise
+            message = f"graph {self.graphs_compiled}: tables not recomputed: {error!r}"
+            log.error("rope_dedup: %s", message, exc_info=True)
+            self.errors.append(message)
+            return example_inputs
+        self._recomputed.update((r.path, r) for r in conversion.recomputed)
+        self._kept.update((path, Skip(path, refusal)) for path, refusal in conversion.kept
+                          if refusal.reason is SkipReason.NOT_EXACT)
+        return inputs
+
     @property
     def report(self) -> DedupReport:
-        """Everything this backend has shared or skipped, across all graphs it compiled."""
-        return DedupReport.from_stores(self._stores.values(), errors=self.errors, pass_seconds=self.pass_seconds)
+        """Everything this backend has shared, recomputed or skipped, across all graphs it compiled."""
+        return self._with_recomputed(DedupReport.from_stores(self._stores.values(), errors=self.errors,
+                                                             pass_seconds=self.pass_seconds))
 
     def report_for(self, model: torch.nn.Module) -> DedupReport:
         """The report with members named by their full path in ``model`` (useful after regional compile)."""
-        return DedupReport.from_stores(self._stores.values(), model=model, errors=self.errors,
-                                       pass_seconds=self.pass_seconds)
+        return self._with_recomputed(DedupReport.from_stores(self._stores.values(), model=model, errors=self.errors,
+                                                             pass_seconds=self.pass_seconds))
+
+    def _with_recomputed(self, report: DedupReport) -> DedupReport:
+        if not self._recomputed and not self._kept:
+            return report
+        return dataclasses.replace(report, recomputed=list(self._recomputed.values()),
+                                   recomputed_bytes=self._recompute.vector_bytes,
+                                   skipped=report.skipped + list(self._kept.values()))
 
 
 def _fresh_backend(config: RopeDedupConfig) -> RopeDedupBackend:

@@ -32,6 +32,8 @@ COMPUTED_TABLE_DEFAULTS: dict[str, tuple[bool, bool]] = {
 
 _SELF_NAMES = ("rope_dedup",)
 
+TABLES = ("share", "recompute")  # one storage per key, or no table at all where a recipe is exact
+
 
 class ComputedTables(NamedTuple):
     """What happens to RoPE tables computed in ``forward``: folded into constants, merged when identical."""
@@ -62,6 +64,9 @@ class RopeDedupConfig:
         strict: raise an unexpected error inside the pass; otherwise the graph compiles without sharing
             and the error is logged and kept in ``report.errors``.
         dry_run: decide and report, but alias and rewrite nothing (what :func:`rope_dedup.audit.explain` uses).
+        tables: ``"share"`` (one storage per key) or ``"recompute"``: every table a recipe reproduces bit for
+            bit holds only its frequency vector and computes the rows a read reads (docs/recompute.md). The
+            backend converts the whole model while it compiles the first graph, before dynamo guards on it.
         release_memory: after a compile that freed CPU tables (and from run-time interning once 64 MB
             more are freed), return freed heap memory to the OS with glibc's ``malloc_trim``: otherwise
             glibc keeps tables of a few MB in the process and RSS hardly drops. Never on the per-call path;
@@ -76,6 +81,7 @@ class RopeDedupConfig:
     merge_computed: bool | None = None
     strict: bool = False
     dry_run: bool = False
+    tables: str = "share"
     release_memory: bool = True
 
     def __post_init__(self) -> None:
@@ -96,6 +102,8 @@ class RopeDedupConfig:
             if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be True, False or None (the inner backend's default), "
                                 f"got {getattr(self, name)!r}")
+        if self.tables not in TABLES:
+            raise ValueError(f"tables must be one of {', '.join(map(repr, TABLES))}, got {self.tables!r}")
         if self.mode is not None and not isinstance(self.mode, str):
             raise TypeError(f"mode must be a string such as 'max-autotune', got {self.mode!r}")
         if not isinstance(self.inner_options, Mapping):

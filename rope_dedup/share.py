@@ -22,6 +22,7 @@ import torch
 from torch.nn.modules.module import register_module_buffer_registration_hook
 
 from rope_dedup.backend import RopeDedupBackend, rope_dedup_backend
+from rope_dedup.config import TABLES
 from rope_dedup.core.eligibility import Refusal, SkipReason
 from rope_dedup.core.memory import TRIM_THRESHOLD_BYTES, release_if_freed
 from rope_dedup.core.reload import guard_reload
@@ -32,7 +33,6 @@ from rope_dedup.recompute import RecomputedTable, recompute_tables
 from rope_dedup.recompute.convert import Converter, keep_values_in_state_dict
 
 _SETTINGS = ("share_persistent", "dry_run", "release_memory")
-TABLES = ("share", "recompute")  # share(tables=...): one storage per key, or no table at all where exact
 
 
 def _store(backend: RopeDedupBackend | None, settings: dict[str, Any]) -> tuple[RopeDedupBackend, CanonicalStore,

@@ -319,11 +319,6 @@ def test_tables_takes_two_values():
         rope_dedup.share(nn.Linear(2, 2), tables="recomputed")
 
 
-def test_the_backend_says_where_tables_recompute_goes():
-    with pytest.raises(TypeError, match=r"convert with rope_dedup.share\(model, tables=\"recompute\"\)"):
-        rope_dedup.RopeDedupBackend(tables="recompute")
-
-
 def test_report_says_what_was_recomputed():
     model, _ = twins(homogeneous(2, layout="cos_sin"))
     text = str(rope_dedup.share(model, tables="recompute"))
@@ -427,6 +422,126 @@ def test_the_rope_dedup_backend_skips_recomputed_tables_with_their_reason():
     assert torch.equal(torch.compile(model, backend=backend)(TOKENS), twin(TOKENS))
     skipped = {s.path for s in backend.report_for(model).skipped if s.kind is SkipReason.RECOMPUTED}
     assert skipped == {p for p, _ in rope_tensors(model)}
+
+
+# -- RopeDedupBackend(tables="recompute"): converted while the first graph compiles --------------------------------
+
+def test_the_backend_recomputes_the_model_at_its_first_compile_and_no_layer_recompiles():
+    """Regional compile, one code object for six blocks of two keys: the first block's compile converts the
+    whole model before dynamo guards on it, so every later block matches the first block's graph."""
+    model, twin = twins(local_global(6, layout="hf_halves"))
+    backend = rope_dedup.RopeDedupBackend("aot_eager", tables="recompute")
+    torch._dynamo.reset()
+    counters.clear()
+    for layer in model.layers:
+        layer.compile(backend=backend)
+    with torch.no_grad():
+        for length in (16, 16, 9):
+            tokens = TOKENS[:, :length]
+            assert torch.equal(model(tokens), twin(tokens))
+    assert counters["stats"]["unique_graphs"] == 2  # one per length, none per layer
+    assert all(isinstance(t, RecomputedTable) and t.is_recomputed for t in tables(model))
+    report = backend.report_for(model)
+    assert {r.path for r in report.recomputed} == {p for p, _ in rope_tensors(model)}
+    assert report.recomputed_bytes == 2 * 8 * 4  # two keys, one float32 vector of head_dim / 2 each
+
+
+def test_options_and_the_config_take_tables():
+    model, twin = twins(homogeneous(2, layout="complex"))
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=rope_dedup.RopeDedupBackend("aot_eager"), options={"tables": "recompute"},
+                             dynamic=True)
+    with torch.no_grad():
+        for length in (5, 16):
+            tokens = TOKENS[:, :length].contiguous()
+            assert torch.equal(compiled(tokens), twin(tokens))
+    assert all(isinstance(t, RecomputedTable) for t in tables(model))
+    assert rope_dedup.RopeDedupConfig(tables="recompute").tables == "recompute"
+    with pytest.raises(ValueError, match="tables must be one of 'share', 'recompute', got 'recomputed'"):
+        rope_dedup.RopeDedupBackend(tables="recomputed")
+
+
+def test_the_backend_under_inductor_stays_within_inductor_alone():
+    model, twin = twins(homogeneous(2, layout="cos_sin"))
+    torch._dynamo.reset()
+    with torch.no_grad():
+        eager = twin(TOKENS)
+        alone = torch.compile(copy.deepcopy(twin), backend="inductor")(TOKENS)
+        got = torch.compile(model, backend=rope_dedup.RopeDedupBackend(tables="recompute"))(TOKENS)
+    assert all(isinstance(t, RecomputedTable) for t in tables(model))
+    assert (got - eager).abs().max() <= (alone - eager).abs().max()
+
+
+class ArgumentBlock(nn.Module):
+    """torchtitan's arrangement: the model holds ``freqs_cis`` and passes it to each block."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+        rows = freqs_cis[: x.shape[1]]
+        return self.proj(torch.view_as_real(torch.view_as_complex(x.unflatten(-1, (8, 2))) * rows).flatten(-2))
+
+
+class ArgumentModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(ArgumentBlock() for _ in range(3))
+        angles = torch.outer(torch.arange(64.0), 1.0 / 10000 ** (torch.arange(0, 16, 2).float() / 16))
+        self.register_buffer("freqs_cis", torch.polar(torch.ones_like(angles), angles), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x, self.freqs_cis)
+        return x
+
+
+def test_a_table_passed_as_an_argument_is_kept_with_its_reason():
+    """A block graph guards the table it receives as an argument as a plain tensor: converting it would
+    recompile every block, so it is kept (and shared), and the report says how to recompute it instead."""
+    torch.manual_seed(0)
+    model = ArgumentModel()
+    twin = copy.deepcopy(model)
+    backend = rope_dedup.RopeDedupBackend("aot_eager", tables="recompute")
+    torch._dynamo.reset()
+    counters.clear()
+    for layer in model.layers:
+        layer.compile(backend=backend)
+    x = torch.randn(2, 10, 16)
+    with torch.no_grad():
+        for _ in range(2):
+            assert torch.equal(model(x), twin(x))
+    assert counters["stats"]["unique_graphs"] == 1
+    assert type(model.freqs_cis) is torch.Tensor
+    kept = [s for s in backend.report_for(model).skipped if s.path == "freqs_cis"]
+    assert kept and "share(model, tables=\"recompute\") before compiling" in kept[0].reason
+
+
+def test_a_conversion_that_fails_converts_nothing_and_compiles_unconverted(monkeypatch):
+    import rope_dedup.recompute.convert as convert
+
+    model, twin = twins(homogeneous(2, layout="cos_sin"))
+    monkeypatch.setattr(convert, "find_recipe", lambda *_: 1 / 0)
+    backend = rope_dedup.RopeDedupBackend("aot_eager", tables="recompute")
+    torch._dynamo.reset()
+    with torch.no_grad():
+        assert torch.equal(torch.compile(model, backend=backend)(TOKENS), twin(TOKENS))
+    assert all(type(t) is torch.Tensor for t in tables(model))
+    assert len(backend.report.errors) == 1 and "tables not recomputed: ZeroDivisionError" in backend.report.errors[0]
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="ZeroDivisionError"):  # dynamo wraps it in BackendCompilerFailed
+        torch.compile(model, backend=rope_dedup.RopeDedupBackend("aot_eager", tables="recompute", strict=True))(TOKENS)
+
+
+def test_a_dry_run_reports_what_it_would_recompute_and_converts_nothing():
+    model, twin = twins(homogeneous(2, layout="cos_sin"))
+    backend = rope_dedup.RopeDedupBackend("aot_eager", tables="recompute", dry_run=True)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        assert torch.equal(torch.compile(model, backend=backend)(TOKENS), twin(TOKENS))
+    assert all(type(t) is torch.Tensor for t in tables(model))
+    assert len(backend.report.recomputed) == 4
 
 
 def test_sharing_recompute_converts_as_the_model_is_built():

@@ -35,7 +35,7 @@ class SkipReason(enum.Enum):
                "written; compile, or share() once it is full")
     UNSEEN_ATTRIBUTE = ("plain tensor attribute: buffer registration hooks do not see it while the model is built; "
                         "rope_dedup.share(model) after the build reaches it")
-    RECOMPUTED = "recomputed where it is read (share(model, tables=\"recompute\")): it holds no table to share"
+    RECOMPUTED = "recomputed where it is read (tables=\"recompute\"): it holds no table to share"
     NOT_EXACT = "not recomputed ({detail}): it keeps its values"
     UNGUARDED = ("in the state_dict, and the module holding it could not be found to guard load_state_dict: kept "
                  "apart, since a reload copies into it in place and would write every table it shared")

@@ -173,6 +173,40 @@ def find_owner(reach: Reach, tensor: Any) -> tuple[torch.nn.Module, str] | None:
     return None
 
 
+def compiling_modules(*also: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules the frame dynamo is compiling runs in (its locals, and ``also``), each widened to the
+    outermost module on the call stack that contains it: under regional compile a block is compiled while the
+    model's own ``forward`` runs eagerly above it, and the model holds every block's tables. None contains
+    another. Empty outside a compile."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        frame_locals = InstructionTranslator.current_tx().output.root_tx.f_locals
+    except Exception:  # no frame being compiled
+        return []
+    inner = [_unwrapped(v) for v in [*frame_locals.values(), *also] if isinstance(v, torch.nn.Module)]
+    outer: dict[int, torch.nn.Module] = {}
+    caller: FrameType | None = sys._getframe(1)
+    while caller is not None:
+        module = caller.f_locals.get("self")
+        if isinstance(module, torch.nn.Module):
+            module = _unwrapped(module)
+            contained = {id(m) for m in module.modules()}
+            for m in inner:
+                if id(m) in contained:
+                    outer[id(m)] = module  # walking outwards: the last one found is the outermost
+        caller = caller.f_back
+    widened = list({id(outer.get(id(m), m)): outer.get(id(m), m) for m in inner}.values())
+    return [m for m in widened if not any(other is not m and any(x is m for x in other.modules()) for other in widened)]
+
+
+def _unwrapped(module: torch.nn.Module) -> torch.nn.Module:
+    """The model a ``torch.compile`` wrapper (``OptimizedModule``) stands for, so that paths do not start with
+    ``_orig_mod``."""
+    orig = getattr(module, "_orig_mod", None)
+    return orig if isinstance(orig, torch.nn.Module) else module
+
+
 def _holds(module: torch.nn.Module, attr: str, tensor: Any) -> bool:
     return module._buffers.get(attr) is tensor or module._parameters.get(attr) is tensor
 

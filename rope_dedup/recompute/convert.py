@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from dataclasses import dataclass
-from typing import Iterator
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
 
 import torch
 
@@ -31,6 +31,7 @@ class Conversion:
     recomputed: list[Recomputed]
     kept: list[tuple[str, Refusal]]
     vector_bytes: int  # what the recomputed tables hold between them: their distinct frequency vectors
+    replaced: dict[int, RecomputedTable] = field(default_factory=dict)  # id(table before) -> its replacement
 
 
 class Converter:
@@ -68,6 +69,11 @@ class Converter:
         recipe, _, key = known
         return RecomputedTable(recipe, _State(path, key=key)), Recomputed(path, key, storage_nbytes(tensor)), None
 
+    def forget_tables(self) -> None:
+        """Let go of the tables kept for comparison (a backend keeps its converter, and its vectors, across
+        compiles: not the tables it replaced)."""
+        self._by_storage.clear()
+
     @property
     def vector_bytes(self) -> int:
         """Bytes of the distinct frequency vectors handed out so far."""
@@ -94,13 +100,16 @@ class Converter:
         return recipe
 
 
-def recompute_tables(*models: torch.nn.Module, dry_run: bool = False) -> Conversion:
+def recompute_tables(*models: torch.nn.Module, dry_run: bool = False, converter: Converter | None = None,
+                     keep: Callable[[torch.Tensor], Refusal | None] | None = None) -> Conversion:
     """Replace every recognized RoPE table of ``models`` by a :class:`RecomputedTable` where a recipe gives
     its bits exactly; tables of equal recipes share one frequency vector. Already converted tables count again
-    in the result and change nothing."""
+    in the result and change nothing. ``keep`` may refuse a table the converter would take (why, or None)."""
     done: list[Recomputed] = []
     kept: list[tuple[str, Refusal]] = []
-    converter = Converter()
+    replaced: dict[int, RecomputedTable] = {}
+    puts: list[tuple[torch.nn.Module, str, RecomputedTable, bool]] = []
+    converter = converter if converter is not None else Converter()
     for model in models:
         for path, tensor, origin, persistent, module in module_state(model):
             if isinstance(tensor, RecomputedTable):
@@ -111,14 +120,20 @@ def recompute_tables(*models: torch.nn.Module, dry_run: bool = False) -> Convers
                     done.append(Recomputed(path, tensor.state.key, tensor.nbytes))
                 continue
             replacement, recomputed, refusal = converter.convert(tensor, path, origin)
+            if replacement is not None and keep is not None:
+                refusal = keep(tensor)
             if refusal is not None:
                 kept.append((path, refusal))
+                continue
             if replacement is None or recomputed is None:
                 continue
             done.append(recomputed)
             if not dry_run:
-                put_table(module, path.rpartition(".")[2], replacement, persistent)
-    return Conversion(done, kept, vector_bytes(*models))
+                puts.append((module, path.rpartition(".")[2], replacement, persistent))
+                replaced[id(tensor)] = replacement
+    for module, name, replacement, persistent in puts:  # all at once: a search that fails changes nothing
+        put_table(module, name, replacement, persistent)
+    return Conversion(done, kept, vector_bytes(*models), replaced)
 
 
 def put_table(module: torch.nn.Module, name: str, table: RecomputedTable, persistent: bool) -> None:
