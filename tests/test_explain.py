@@ -132,3 +132,49 @@ def test_an_audit_does_not_depend_on_how_many_were_compiled_before() -> None:
     with torch.no_grad():
         torch.compile(_breaking_model(limit + 2), backend=backend)(TOKENS)
     assert backend.graphs_compiled > 0
+
+
+class _ApplyRope(torch.nn.Module):
+    """What transformers 5.25's ``kernels`` hub makes of a model file's ``apply_rotary_pos_emb``: one module at
+    module level, called from every layer."""
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        rotated = torch.cat((-x[..., x.shape[-1] // 2:], x[..., : x.shape[-1] // 2]), dim=-1)
+        return x * cos + rotated * sin
+
+
+APPLY_ROPE = _ApplyRope()
+
+
+class _HubLayer(torch.nn.Module):
+    def __init__(self, theta: float) -> None:
+        super().__init__()
+        angles = torch.outer(torch.arange(64.0), 1.0 / theta ** (torch.arange(0, 16, 2).float() / 16))
+        self.register_buffer("cos", torch.cat((angles, angles), -1).cos(), persistent=False)
+        self.register_buffer("sin", torch.cat((angles, angles), -1).sin(), persistent=False)
+        self.proj = torch.nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        seq = x.shape[1]
+        return self.proj(APPLY_ROPE(x, self.cos[:seq], self.sin[:seq]))
+
+
+class _HubModel(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(64, 16)
+        self.layers = torch.nn.ModuleList(_HubLayer(theta) for theta in (1e4, 1e4, 1e6))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def test_a_module_level_rope_function_module_does_not_take_the_layers_tables() -> None:
+    """The dynamic audit names the layer that applies a table, not the module-level module it calls (on 5.25
+    every layer's RoPE was credited to ``apply_rotary_pos_emb``, and findings on layers went unseen)."""
+    result = explain(_HubModel(), TOKENS)
+    assert sorted({t.layer for t in result.applied}) == ["layers.0", "layers.1", "layers.2"]
+    assert [row.layer for row in result.odd_layers] == ["layers.2"]

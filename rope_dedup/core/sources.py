@@ -226,10 +226,9 @@ def declare_constant_source(gm: torch.fx.GraphModule, attribute: str) -> None:
 def module_path(node: torch.fx.Node) -> str:
     """``model.layers.0.self_attn`` from dynamo's ``nn_module_stack`` (``L['model'].model.layers[0]...``):
     relative to the frame's root local (:func:`module_root`)."""
-    stack = node.meta.get("nn_module_stack") or {}
-    if not stack:
+    path = _innermost_module(node)
+    if path is None:
         return ""
-    path = str(list(stack.values())[-1][0])
     path = re.sub(r"^[LG]\['[^']*'\]\.?", "", path)
     path = re.sub(r"\[(\d+)\]", r".\1", path)
     path = re.sub(r"\['([^']+)'\]", r".\1", path)
@@ -239,11 +238,20 @@ def module_path(node: torch.fx.Node) -> str:
 def module_root(node: torch.fx.Node) -> str | None:
     """The frame local :func:`module_path` starts from (``model``; ``self`` in a frame dynamo began inside a
     module after a graph break), or None when the node ran in no module."""
-    stack = node.meta.get("nn_module_stack") or {}
-    if not stack:
-        return None
-    found = re.match(r"^L\['([^']*)'\]", str(list(stack.values())[-1][0]))
+    path = _innermost_module(node)
+    found = re.match(r"^L\['([^']*)'\]", path) if path is not None else None
     return found.group(1) if found else None
+
+
+def _innermost_module(node: torch.fx.Node) -> str | None:
+    """The innermost module of ``nn_module_stack`` that the compiled frame reaches from its locals (the model's
+    own tree), or the innermost of all when none does. A module reached through a global is no layer of the
+    model: the ``kernels`` hub (a dependency of transformers 5.25) turns each model file's
+    ``apply_rotary_pos_emb`` into a module-level ``nn.Module``, and taking it would credit every layer's RoPE
+    to it."""
+    stack = [str(entry[0]) for entry in (node.meta.get("nn_module_stack") or {}).values()]
+    local = [path for path in stack if path.startswith("L[")]
+    return (local or stack or [None])[-1]
 
 
 def source_root(node: torch.fx.Node) -> str | None:
