@@ -446,6 +446,27 @@ def test_the_backend_recomputes_the_model_at_its_first_compile_and_no_layer_reco
     assert report.recomputed_bytes == 2 * 8 * 4  # two keys, one float32 vector of head_dim / 2 each
 
 
+def test_guards_hold_the_recomputed_tables_even_while_the_old_ones_live():
+    """Dynamo built the graph's guards on the tables it traced; the backend rebuilds them on the recomputed
+    tables, type and recipe included: the old tables still referenced (and the same code compiled before for
+    another model) change nothing, and a block of another recipe compiles its own graph."""
+    specs = homogeneous(2, layout="hf_halves") + homogeneous(2, layout="hf_halves", scaling="yarn")
+    model, twin = twins(specs)
+    held = tables(model)  # the plain tables stay alive through the compile
+    backend = rope_dedup.RopeDedupBackend("aot_eager", tables="recompute")
+    torch._dynamo.reset()
+    counters.clear()
+    for layer in twin.layers:  # the same code object, compiled first without rope_dedup
+        layer.compile(backend="aot_eager")
+    for layer in model.layers:
+        layer.compile(backend=backend)
+    with torch.no_grad():
+        for _ in range(2):
+            assert torch.equal(model(TOKENS), twin(TOKENS))
+    assert all(isinstance(t, RecomputedTable) for t in tables(model)) and len(held) == 8
+    assert counters["stats"]["unique_graphs"] == 3  # the twin's plain tables: one; the recomputed: one per recipe
+
+
 def test_options_and_the_config_take_tables():
     model, twin = twins(homogeneous(2, layout="complex"))
     torch._dynamo.reset()

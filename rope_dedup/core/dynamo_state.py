@@ -75,3 +75,28 @@ def _at_compile_end(args: Any) -> None:
         maps, _pending[:] = list(_pending), []
     for tensor_map in maps:
         tensor_map.clear()
+
+
+def guard_replaced_input(node: torch.fx.Node, replacement: torch.Tensor) -> None:
+    """Rebuild the guards of a graph input whose tensor the backend replaced while dynamo compiles (a table
+    recomputed), on the replacement: dynamo built them on the tensor it traced (a weak reference), which the
+    model no longer holds. For a traceable subclass, its type and flatten context too, as dynamo guards one it
+    traces, so that a table of another recipe fails them. (Its inner tensors are no graph inputs of their own
+    here: their shape, dtype and device follow from the table's and the context.)"""
+    from functools import partial
+
+    from torch._dynamo.guards import GuardBuilder
+    from torch._dynamo.source import SubclassAttrListSource
+    from torch._dynamo.symbolic_convert import InstructionTranslator
+    from torch.utils.weak import TensorWeakRef
+
+    source = node.meta["grapharg"].source
+    guards = InstructionTranslator.current_tx().output.guards
+    guards.remove_guards_with_source(source)
+    rebuilt = [source.make_guard(partial(GuardBuilder.TENSOR_MATCH, value=TensorWeakRef(replacement)))]
+    if is_traceable_wrapper_subclass(replacement):
+        rebuilt += [source.make_guard(GuardBuilder.TENSOR_SUBCLASS_METADATA_MATCH),
+                    source.make_guard(GuardBuilder.TYPE_MATCH),
+                    SubclassAttrListSource(source).make_guard(GuardBuilder.EQUALS_MATCH)]
+    for guard in rebuilt:
+        guards.add(guard)

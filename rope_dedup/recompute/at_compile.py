@@ -1,8 +1,8 @@
 """``RopeDedupBackend(tables="recompute")``: convert the model's tables while dynamo compiles its first graph.
 
-Dynamo builds a graph's guards after the backend returns, from the values its sources name at that moment. So
-a table replaced by a :class:`RecomputedTable` inside the backend is guarded as the recomputed table it now is,
-and no call recompiles for it. The whole model is converted at once (the outermost module on the call stack
+Dynamo builds a graph's guards after the backend returns. A table replaced by a :class:`RecomputedTable` inside
+the backend gets its guards rebuilt on the recomputed table (its type, recipe and vector, as dynamo guards a
+subclass it traces), so no call recompiles for it. The whole model is converted at once (the outermost module on the call stack
 holding the compiled frame's modules): under regional compile every block then matches the first block's
 guards. The graph itself was traced with the plain table; it is compiled with the recomputed one in that
 input's place, which is what each call passes, so the inner backend traces the rows a read reads.
@@ -20,6 +20,7 @@ import torch.fx
 from torch._guards import detect_fake_mode
 from torch.utils.weak import WeakIdKeyDictionary
 
+from rope_dedup.core.dynamo_state import guard_replaced_input
 from rope_dedup.core.eligibility import Refusal, SkipReason
 from rope_dedup.core.sources import compiling_modules, placeholder_origin
 from rope_dedup.recompute.convert import Conversion, Converter, recompute_tables
@@ -63,6 +64,7 @@ class CompileTimeConverter:
             if replacement is None:
                 continue
             inputs[index] = replacement
+            guard_replaced_input(node, replacement)
             if fake_mode is not None:
                 node.meta["example_value"] = fake_mode.from_tensor(replacement, static_shapes=True)
         return inputs, conversion
