@@ -10,7 +10,7 @@ Per preset, one toy decoder (one complex ``freqs_cis`` per layer, or ``--layout 
 (``--unshared-max-gb``), a third copy keeps a table per layer: inductor alone as users run it today.
 
 Printed: RoPE bytes of each (unshared as the tables' sizes, shared and recompute as storages held), the peak
-RSS of the build and of the conversion, and the step-time ratios recompute / shared and recompute / unshared,
+of the build and of the conversion (RSS; the CUDA allocator's with ``--device cuda``), and the step-time ratios recompute / shared and recompute / unshared,
 each model compiled per block (torchtitan's regional compile; inductor unless ``--backend``), called in turns (A B, then B A)
 at decode (1 token) and prefill (``--prefill`` tokens); each figure is the median of the per-round ratios.
 """
@@ -49,19 +49,27 @@ def peak_rss() -> int:
 
 
 def reset_peak() -> None:
-    """Start a new peak RSS window (Linux: ``/proc/self/clear_refs``)."""
+    """Start a new peak window: RSS (Linux: ``/proc/self/clear_refs``) and, with CUDA, the allocator's."""
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
 
 
-def build(layers: int, context: int, heads: int, head_dim: int, shared: bool, layout: str) -> torch.nn.Module:
+def peak(device: str) -> int:
+    """The peak since :func:`reset_peak`: the CUDA allocator's on CUDA, else RSS."""
+    return torch.cuda.max_memory_allocated() if device.startswith("cuda") else peak_rss()
+
+
+def build(layers: int, context: int, heads: int, head_dim: int, shared: bool, layout: str,
+          device: str) -> torch.nn.Module:
     torch.manual_seed(0)
     specs = toy.homogeneous(layers, layout=layout, max_len=context)
     if shared:
         with rope_dedup.sharing():
-            model = toy.ToyDecoder(specs, d_model=heads * head_dim, heads=heads)
+            model = toy.ToyDecoder(specs, d_model=heads * head_dim, heads=heads, device=device)
     else:
-        model = toy.ToyDecoder(specs, d_model=heads * head_dim, heads=heads)
+        model = toy.ToyDecoder(specs, d_model=heads * head_dim, heads=heads, device=device)
     return model.eval()
 
 
@@ -90,9 +98,10 @@ def regional(model: torch.nn.Module, backend: str) -> torch.nn.Module:
     return model
 
 
-def paired_ratios(calls: dict[str, Callable[[], Any]], against: str, rounds: int) -> dict[str, float]:
+def paired_ratios(calls: dict[str, Callable[[], Any]], against: str, rounds: int,
+                  sync: Callable[[], None] = lambda: None) -> dict[str, float]:
     """Median over rounds of each model's step over ``against``'s step, called in turns (order flipped
-    every round), after one warm-up call each."""
+    every round), after one warm-up call each; ``sync`` waits for the device before and after each step."""
     names = list(calls)
     for call in calls.values():
         call()
@@ -100,8 +109,10 @@ def paired_ratios(calls: dict[str, Callable[[], Any]], against: str, rounds: int
     for r in range(rounds):
         times = {}
         for name in (names if r % 2 == 0 else names[::-1]):
+            sync()
             start = time.perf_counter()
             calls[name]()
+            sync()
             times[name] = time.perf_counter() - start
         for name in ratios:
             ratios[name].append(times[name] / times[against])
@@ -109,36 +120,38 @@ def paired_ratios(calls: dict[str, Callable[[], Any]], against: str, rounds: int
 
 
 def run(layers: int, context: int, heads: int, head_dim: int, prefill: int, rounds: int,
-        unshared_max_gb: float, backend: str, layout: str, control: bool = False) -> dict[str, Any]:
+        unshared_max_gb: float, backend: str, layout: str, control: bool = False, device: str = "cpu"
+        ) -> dict[str, Any]:
     table_bytes = context * (head_dim // 2) * 8  # complex64, or a float32 cos and sin of half its width
     result: dict[str, Any] = {"layers": layers, "context": context, "head_dim": head_dim, "layout": layout,
-                              "control": control, "rope_bytes_unshared": layers * table_bytes}
+                              "control": control, "device": device, "rope_bytes_unshared": layers * table_bytes}
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     reset_peak()
-    shared = build(layers, context, heads, head_dim, shared=True, layout=layout)
-    result["build_peak_rss"] = peak_rss()
+    shared = build(layers, context, heads, head_dim, shared=True, layout=layout, device=device)
+    result["build_peak"] = peak(device)
     recompute = copy.deepcopy(shared)
     reset_peak()
     start = time.perf_counter()
     report = rope_dedup.share(recompute, tables="share" if control else "recompute")
     result["convert_s"] = time.perf_counter() - start
-    result["convert_peak_rss"] = peak_rss()
+    result["convert_peak"] = peak(device)
     result["recomputed"] = len(report.recomputed)
     result["rope_bytes_shared"] = rope_bytes(shared)
     result["rope_bytes_recompute"] = rope_bytes(recompute)
     models = {"shared": shared, "recompute": recompute}
     if layers * table_bytes <= unshared_max_gb * 1e9:
-        models["unshared"] = build(layers, context, heads, head_dim, shared=False, layout=layout)
+        models["unshared"] = build(layers, context, heads, head_dim, shared=False, layout=layout, device=device)
     compiled = {name: regional(model, backend) for name, model in models.items()}
     for phase, length in (("decode", 1), ("prefill", prefill)):
-        tokens = torch.randint(0, 64, (1, length), generator=torch.Generator().manual_seed(1))
+        tokens = torch.randint(0, 64, (1, length), generator=torch.Generator().manual_seed(1)).to(device)
         with torch.no_grad():
             outputs = {name: model(tokens) for name, model in compiled.items()}
             result[f"{phase}_max_diff_vs_shared"] = (outputs["recompute"] - outputs["shared"]).abs().max().item()
             calls = {name: (lambda m=model: m(tokens)) for name, model in compiled.items()}
-            result[f"{phase}_recompute_over_shared"] = paired_ratios(calls, "shared", rounds)["recompute"]
+            result[f"{phase}_recompute_over_shared"] = paired_ratios(calls, "shared", rounds, sync)["recompute"]
             if "unshared" in calls:
                 del calls["shared"]
-                result[f"{phase}_recompute_over_unshared"] = paired_ratios(calls, "unshared", rounds)["recompute"]
+                result[f"{phase}_recompute_over_unshared"] = paired_ratios(calls, "unshared", rounds, sync)["recompute"]
     return result
 
 
@@ -152,7 +165,8 @@ def show(name: str, r: dict[str, Any]) -> None:
           f"tables{control}")
     print(f"  RoPE bytes: unshared {mb(r['rope_bytes_unshared'])}, shared {mb(r['rope_bytes_shared'])}, "
           f"recompute {mb(r['rope_bytes_recompute'])} ({r['recomputed']} tables recomputed)")
-    print(f"  peak RSS: build (inside sharing()) {mb(r['build_peak_rss'])}, conversion {mb(r['convert_peak_rss'])} "
+    what = "peak RSS" if r["device"] == "cpu" else f"peak allocated on {r['device']}"
+    print(f"  {what}: build (inside sharing()) {mb(r['build_peak'])}, conversion {mb(r['convert_peak'])} "
           f"({r['convert_s']:.1f} s)")
     for phase in ("decode", "prefill"):
         line = f"  {phase}: recompute / shared {r[f'{phase}_recompute_over_shared']:.3f}"
@@ -179,15 +193,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--control", action="store_true",
                         help="an A/A check: the copy stays shared instead of recomputed, so its ratios show what "
                              "the arrangement alone (built second, a deep copy) costs")
+    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda: models, tokens and peaks there")
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args(argv)
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        parser.error(f"--device {args.device}: torch {torch.__version__} sees no CUDA device")
     torch.set_num_threads(args.threads)
     presets = PRESETS if args.preset == "all" else {args.preset: PRESETS[args.preset]}
     results = {}
     for name, preset in presets.items():
         layers, context = args.layers or preset["layers"], args.context or preset["context"]
         results[name] = run(layers, context, args.heads, args.head_dim, args.prefill, args.rounds,
-                            args.unshared_max_gb, args.backend, args.layout, args.control)
+                            args.unshared_max_gb, args.backend, args.layout, args.control, args.device)
         show(name, results[name])
         torch._dynamo.reset()
     if args.json:
