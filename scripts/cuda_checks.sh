@@ -17,12 +17,14 @@
 #      fixture: recognition, keys, store, share/sharing, the backend on toy decoders, the audit, moves, the
 #      property suite's pinned sequences; and the CUDA-only ones), in parallel (pytest.txt).
 #   d. benchmarks (benchmarks.txt): the step time of rope_dedup against inductor alone, interleaved, with
-#      CUDA events (examples/bench_step_time.py; step-time-cuda.json), and the peak of .to("cuda") after
-#      share() against the unshared model (examples/bench_move_peak.py).
-#   e. rope-dedup profile --preset titan-128k --device cuda, modes compile, rope_dedup, regional, share and
-#      sharing (profile-titan-128k-cuda.{txt,json,png}).
+#      CUDA events (examples/bench_step_time.py; step-time-cuda.json), the peak of .to("cuda") after
+#      share() against the unshared model (examples/bench_move_peak.py), and recomputed tables against the
+#      shared one at decode and prefill, titan-128k (examples/bench_recompute.py).
+#   e. rope-dedup profile --preset titan-128k --device cuda, modes compile, rope_dedup, regional, share,
+#      sharing and recompute (profile-titan-128k-cuda.{txt,json,png}).
 #   f. scripts/cuda_graphs_check.py: CUDA graphs (mode reduce-overhead) with and without rope_dedup, whole
-#      model and per block, in the time left (appended to benchmarks.txt).
+#      model and per block, then the same with tables="recompute", in the time left (appended to
+#      benchmarks.txt).
 #   g. a summary of exit codes (also summary.txt); exit 1 if any step failed, else 0.
 #
 # Python: $PYTHON if set, else .venv/bin/python if .venv exists, else python3. When .venv is missing,
@@ -180,7 +182,7 @@ workers=${PYTEST_WORKERS:-8}
 if [ "$workers" != 0 ] && "$py" -c 'import xdist' 2>/dev/null; then
     pytest_args+=(-n "$workers")
 fi
-run_step device-suite 150 $((RESERVE_BENCH + RESERVE_PROFILE)) "$outdir/pytest.txt" \
+run_step device-suite 130 $((RESERVE_BENCH + RESERVE_PROFILE)) "$outdir/pytest.txt" \
     env ROPE_DEDUP_TEST_DEVICE=cuda "$py" -m pytest "${pytest_args[@]}" tests
 
 # -- d. benchmarks ------------------------------------------------------------------------------------
@@ -188,28 +190,31 @@ run_step device-suite 150 $((RESERVE_BENCH + RESERVE_PROFILE)) "$outdir/pytest.t
 # process per case (--processes 1): three would triple the compiles, which the budget cannot hold; a single
 # process's layout bias (a percent or two on CPU) stays in these figures.
 bench=$outdir/benchmarks.txt
-run_step step-time 120 "$RESERVE_PROFILE" "$bench" \
+run_step step-time 100 "$RESERVE_PROFILE" "$bench" \
     "$py" examples/bench_step_time.py --device cuda --layers 40 --modes whole regional --rounds 60 \
     --processes 1 --json "$outdir/step-time-cuda.json"
 run_step step-time-126 60 "$RESERVE_PROFILE" "$bench" \
     "$py" examples/bench_step_time.py --device cuda --layers 126 --modes regional --rounds 40 --processes 1
 run_step move-peak 40 "$RESERVE_PROFILE" "$bench" \
     "$py" examples/bench_move_peak.py --device cuda --layers 32 --context 131072
+run_step recompute 60 "$RESERVE_PROFILE" "$bench" \
+    "$py" examples/bench_recompute.py --device cuda --preset titan-128k --rounds 20
 
 # -- e. memory profile, titan-128k on CUDA ----------------------------------------------------------
-# Five modes, each in a fresh process; --timeout per mode is a fifth of the step's limit less a margin, so a
+# Six modes, each in a fresh process; --timeout per mode is a sixth of the step's limit less a margin, so a
 # mode that hangs cannot take the other modes' time.
 left=$((budget - (SECONDS - started)))
 limit=$((left < RESERVE_PROFILE + 60 ? left : RESERVE_PROFILE + 60))
-per_mode=$(((limit - 20) / 5))
+per_mode=$(((limit - 20) / 6))
 if [ "$per_mode" -lt 10 ]; then per_mode=10; fi
 p=$outdir/profile-titan-128k-cuda
 run_step profile "$limit" 0 "$p.txt" \
     "$py" -m rope_dedup profile --preset titan-128k --device cuda --timeout "$per_mode" \
-    --modes compile,rope_dedup,regional,share,sharing --json "$p.json" --plot "$p.png"
+    --modes compile,rope_dedup,regional,share,sharing,recompute --json "$p.json" --plot "$p.png"
 
 # -- f. CUDA graphs with and without rope_dedup, in the time left --------------------------------------
-run_step cuda_graphs "$budget" 0 "$bench" "$py" scripts/cuda_graphs_check.py
+run_step cuda_graphs "$budget" 30 "$bench" "$py" scripts/cuda_graphs_check.py
+run_step cuda_graphs_rc "$budget" 0 "$bench" "$py" scripts/cuda_graphs_check.py --tables recompute
 
 # -- g. summary -------------------------------------------------------------------------------------
 failed=0
