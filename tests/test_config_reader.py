@@ -60,6 +60,38 @@ def test_per_layer_config(model_type: str) -> None:
     assert all(isinstance(expected, ConfigSpec) for expected in judging.stack.values())
 
 
+def test_a_layer_field_the_reader_cannot_read_is_a_finding_that_names_it_and_the_layer(monkeypatch) -> None:
+    """One layer's config refuses ``head_dim``: one finding names the field and the layer, and the other layers
+    are judged as before (never a crash, never one config-wide finding that hides them)."""
+    model = tiny("embedding_gemma2_text").model
+    config = model.config.get_text_config()
+    layers = config.per_layer_config
+
+    class Refusing:
+        def __init__(self, inner: object) -> None:
+            self.inner = inner
+
+        def __getattr__(self, name: str) -> object:
+            if name == "head_dim":
+                raise RuntimeError("'head_dim' cannot be read for this layer")
+            return getattr(self.inner, name)
+
+    class View:
+        def __getitem__(self, where: int | str) -> object:
+            return Refusing(layers[where]) if where == 1 else layers[where]
+
+        def __len__(self) -> int:
+            return len(layers)
+
+    view = View()
+    monkeypatch.setattr(type(config), "per_layer_config", property(lambda self: view))
+    for audit in (explain(model, expect="config"), explain(model, torch.randint(4, 200, (1, 16)), expect="config")):
+        (finding,) = audit.mismatches
+        assert finding.layer == "(config)" and "read with per_layer_config[1]: RuntimeError: 'head_dim'" in finding.found
+    judging = read_config(model)
+    assert isinstance(judging.stack["layers.0"], ConfigSpec) and judging.stack["layers.1"] is None
+
+
 def test_a_partial_rotary_dim_whose_product_is_odd_rounds_up_as_transformers_does() -> None:
     """glm4_moe's defaults: head_dim 4096 // 96 = 42, partial_rotary_factor 0.5: dim 21, 11 frequencies."""
     judging = read_config(tiny("glm4_moe").model, strict=True)

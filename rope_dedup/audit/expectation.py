@@ -206,9 +206,13 @@ class _Reader:
         self.fail("model.config has neither rope_parameters nor rope_theta")
         return None
 
-    def spec(self, parameters: Mapping[str, Any] | None, config: Any, label: str | None) -> RopeSpec | None:
-        """The spec of one ``rope_parameters`` entry read against ``config`` (a layer's, where per layer)."""
+    def spec(self, parameters: Mapping[str, Any] | None, config: Any, label: str | None,
+             layer: int | str | None = None) -> RopeSpec | None:
+        """The spec of one ``rope_parameters`` entry read against ``config`` (``per_layer_config[layer]``'s, where
+        the config is per layer: a field it cannot read is then said of that layer)."""
         where = f"model.config.rope_parameters[{label!r}]" if label else "model.config.rope_parameters"
+        if layer is not None:
+            where += f" read with per_layer_config[{layer!r}]"
         if not isinstance(parameters, Mapping):
             self.fail(f"{where} is {type(parameters).__name__}, not a mapping")
             return None
@@ -296,7 +300,8 @@ class _ConfigLayers:
                 self._specs[key] = NoRope(f"rope_parameters[{label!r}] is None")
             else:
                 entry = self.parameters[label] if label else self.parameters
-                self._specs[key] = self.reader.spec(entry, self._config_of(where), label)
+                self._specs[key] = self.reader.spec(entry, self._config_of(where), label,
+                                                    where if self.heterogeneous else None)
         return self._specs[key]
 
     def every_label(self, where: int | str | None) -> Expected:
