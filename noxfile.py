@@ -4,7 +4,8 @@
     nox -s torch                 # the fast suite on every supported torch release
     nox -s "torch(version='2.11.0')"
     nox -r                       # reuse the venvs of an earlier run (much faster locally)
-    nox -s zoo                   # not a default: every RoPE architecture of transformers 5 (4.x: transformers4)
+    nox -s zoo                   # not a default: every RoPE architecture of transformers 5.23.0 and 5.25.0
+                                 # (one session per release; 4.x: transformers4)
 
 Arguments after ``--`` go to pytest: ``nox -s tests -- tests/test_pass.py -x``.
 
@@ -33,6 +34,9 @@ PYTEST = ["python", "-m", "pytest", "-n", "2"]
 # Seconds the registry sweeps may take before they stop and fail: measured 5-12 min (5.x) and 1-2 min
 # (4.x) on 2 shared cores (docs/zoo.md), with room for a slower machine.
 ZOO_BUDGET = "2700"
+# The transformers 5 releases the zoo is swept on (docs/zoo.md has a table for each): the fast suite's, and the
+# newest the registry had when the sweep was last touched.
+ZOO_RELEASES = ["5.23.0", "5.25.0"]
 ZOO4_BUDGET = "600"
 MYPY = "mypy==2.4.1"
 
@@ -64,13 +68,15 @@ def transformers4(session: nox.Session) -> None:
 
 
 @nox.session
-def zoo(session: nox.Session) -> None:
-    """Not a default session (5-12 min): every RoPE model type of transformers 5.23.0 built tiny, through the
-    static audit, the dynamic audit and share(); fails on an exception from rope_dedup, audits that
-    disagree, a changed output, an unexplained finding, or a docs/zoo.md table that says otherwise.
-    ``nox -s zoo -- llama gemma3`` sweeps some types; ``nox -s zoo -- --write`` rewrites the table."""
+@nox.parametrize("transformers", ZOO_RELEASES)
+def zoo(session: nox.Session, transformers: str) -> None:
+    """Not a default session (5-12 min per release): every RoPE model type of one transformers 5 release built
+    tiny, through the static audit, the dynamic audit and share(); fails on an exception from rope_dedup,
+    audits that disagree, a changed output, an unexplained finding, or a docs/zoo.md table that says otherwise.
+    ``nox -s "zoo(transformers='5.25.0')" -- llama gemma3`` sweeps some types; ``-- --write`` rewrites that
+    release's table."""
     session.install(f"torch=={CI_TORCH}")
-    session.install("-e", ".[test]", f"torch=={CI_TORCH}")
+    session.install("-e", ".", f"transformers=={transformers}", f"torch=={CI_TORCH}")
     session.run("python", "tests/zoo_sweep.py", "--budget", ZOO_BUDGET, *(session.posargs or ["--check"]))
 
 

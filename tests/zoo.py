@@ -422,10 +422,12 @@ def _first_line(error: BaseException) -> str:
 
 @dataclass(frozen=True)
 class Explained:
-    """Why a type's findings are true: every finding line of the type matches ``pattern``."""
+    """Why a type's findings are true: every finding line of the type matches ``pattern``. ``since``: the first
+    transformers release that has the type (None: every release swept)."""
 
     pattern: str
     why: str
+    since: str | None = None
 
 
 _ROPE_OFF_ON_GLOBAL_LAYERS = (
@@ -445,6 +447,9 @@ EXPLAINED_5: dict[str, Explained] = {
         "kolibri1": "`# We use global NoPE for hybrid attention model`",
         "flint": "`# Only sliding-window layers are rotary; full-attention layers use no positional encoding`",
     }.items()},
+    "lara_mini": Explained(_ROPE_OFF, _ROPE_OFF_ON_GLOBAL_LAYERS.format(
+        code="`position_embeddings=position_embeddings if layer_type == \"sliding_attention\" else None`"),
+        since="5.25.0"),
     "kimi_linear": Explained(
         r"^\(config\): config: .* found model.config has neither rope_parameters nor rope_theta$",
         "true: Kimi Linear's MLA keeps a `qk_rope_head_dim` split but applies no RoPE (its attention has "
@@ -457,10 +462,16 @@ EXPLAINED_4: dict[str, Explained] = {}
 
 
 def explained() -> dict[str, Explained]:
-    """The explanations for the installed transformers' sweep."""
+    """The explanations for the installed transformers' sweep: those of its major version whose type it has."""
     import transformers
 
-    return EXPLAINED_5 if transformers.__version__.startswith("5.") else EXPLAINED_4
+    version = transformers.__version__
+    table = EXPLAINED_5 if version.startswith("5.") else EXPLAINED_4
+    return {t: e for t, e in table.items() if e.since is None or _release(e.since) <= _release(version)}
+
+
+def _release(version: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in re.findall(r"\d+", version)[:3])
 
 
 def status_of(result: Outcome | Skipped) -> str:
