@@ -1,11 +1,12 @@
 """The project's test sessions, each in a venv of its own: ``nox`` runs the default ones (what CI runs).
 
-    nox                          # tests, transformers4, the import contract, the type check: every default check
+    nox                          # tests, newest, transformers4, the import contract, the type check: every default
     nox -s torch                 # the fast suite on every supported torch release
     nox -s "torch(version='2.11.0')"
     nox -r                       # reuse the venvs of an earlier run (much faster locally)
-    nox -s zoo                   # not a default: every RoPE architecture of transformers 5.23.0 and 5.25.0
-                                 # (one session per release; 4.x: transformers4)
+    nox -s newest                # per-layer config tests on the newest transformers (a default session)
+    nox -s zoo                   # not a default: every RoPE architecture of transformers 4.44.2, 5.23.0 and
+                                 # 5.25.0 (one session per release)
 
 Arguments after ``--`` go to pytest: ``nox -s tests -- tests/test_pass.py -x``.
 
@@ -21,7 +22,7 @@ from pathlib import Path
 import nox
 
 nox.options.default_venv_backend = "venv"
-nox.options.sessions = ["tests", "transformers4", "imports", "typecheck"]
+nox.options.sessions = ["tests", "newest", "transformers4", "imports", "typecheck"]
 
 CI_TORCH = "2.13.0"
 # The releases the README's "Supported torch versions" table was measured on.
@@ -31,13 +32,20 @@ TORCH_RELEASES = ["2.10.0", "2.11.0", "2.12.1", "2.13.0", "2.14.1", "2.15.0"]
 TORCHTITAN = ["torchtitan==0.3.0", "spmd_types==0.2.3"]
 TORCHTITAN_DEPS = ["tyro==1.0.17"]
 PYTEST = ["python", "-m", "pytest", "-n", "2"]
-# Seconds the registry sweeps may take before they stop and fail: measured 5-12 min (5.x) and 1-2 min
-# (4.x) on 2 shared cores (docs/zoo.md), with room for a slower machine.
+# Seconds a registry sweep may take before it stops and fails: measured 5-17 min (5.x) and 1-2 min (4.x) on 2
+# shared cores (docs/zoo.md), with room for a slower machine.
 ZOO_BUDGET = "2700"
-# The transformers 5 releases the zoo is swept on (docs/zoo.md has a table for each): the fast suite's, and the
-# newest the registry had when the sweep was last touched.
-ZOO_RELEASES = ["5.23.0", "5.25.0"]
-ZOO4_BUDGET = "600"
+# The newest transformers the registry had when the zoo was last swept: the fast suite runs on 5.23.0 (the
+# test extra's pin), and the ``newest`` session runs this release's per-layer config tests.
+NEWEST_TRANSFORMERS = "5.25.0"
+# The releases the zoo is swept on (docs/zoo.md has a table for each).
+ZOO_RELEASES = ["4.44.2", "5.23.0", NEWEST_TRANSFORMERS]
+# The fast suite's tests that the newest release must pass too: the pinned types whose layers read their own
+# config (head_dim per layer), the one whose RoPE the kernels hub's module-level apply_rotary_pos_emb applies
+# (flint: a finding only if the audit credits the layer, not that module), and the config reader's per-layer
+# tests.
+NEWEST_TESTS = ["tests/test_zoo.py", "tests/test_config_reader.py", "-k",
+                "embedding_gemma2_text or gemma4_unified_text or flint or per_layer"]
 MYPY = "mypy==2.4.1"
 
 
@@ -57,20 +65,27 @@ def tests(session: nox.Session) -> None:
 
 
 @nox.session
+def newest(session: nox.Session) -> None:
+    """The per-layer config tests of the fast suite on the newest transformers (NEWEST_TRANSFORMERS)."""
+    session.install(f"torch=={CI_TORCH}")
+    session.install("-e", ".", "pytest>=8", "pytest-xdist>=3", f"transformers=={NEWEST_TRANSFORMERS}",
+                    f"torch=={CI_TORCH}")
+    session.run(*PYTEST, *(session.posargs or NEWEST_TESTS))
+
+
+@nox.session
 def transformers4(session: nox.Session) -> None:
-    """transformers 4.x models (per-attention caches), then the sweep of every RoPE model type of
-    transformers 4.44.2 (1-2 min; docs/zoo.md): 4.x cannot share a venv with the 5.x of ``tests``."""
+    """transformers 4.x models (per-attention caches): 4.x cannot share a venv with the 5.x of ``tests``. The
+    sweep of every 4.44.2 RoPE model type is ``nox -s "zoo(transformers='4.44.2')"``."""
     session.install(f"torch=={CI_TORCH}")
     session.install("-e", ".[test-transformers4]", f"torch=={CI_TORCH}")
     session.run(*PYTEST, *(session.posargs or ["tests/test_transformers4.py"]))
-    if not session.posargs:
-        session.run("python", "tests/zoo_sweep.py", "--check", "--budget", ZOO4_BUDGET)
 
 
 @nox.session
 @nox.parametrize("transformers", ZOO_RELEASES)
 def zoo(session: nox.Session, transformers: str) -> None:
-    """Not a default session (5-12 min per release): every RoPE model type of one transformers 5 release built
+    """Not a default session (1-17 min per release): every RoPE model type of one transformers release built
     tiny, through the static audit, the dynamic audit and share(); fails on an exception from rope_dedup,
     audits that disagree, a changed output, an unexplained finding, or a docs/zoo.md table that says otherwise.
     ``nox -s "zoo(transformers='5.25.0')" -- llama gemma3`` sweeps some types; ``-- --write`` rewrites that

@@ -60,7 +60,7 @@ def test_per_layer_config(model_type: str) -> None:
     assert all(isinstance(expected, ConfigSpec) for expected in judging.stack.values())
 
 
-def test_a_layer_field_the_reader_cannot_read_is_a_finding_that_names_it_and_the_layer(monkeypatch) -> None:
+def test_a_per_layer_field_the_reader_cannot_read_is_a_finding_that_names_it_and_the_layer(monkeypatch) -> None:
     """One layer's config refuses ``head_dim``: one finding names the field and the layer, and the other layers
     are judged as before (never a crash, never one config-wide finding that hides them)."""
     model = tiny("embedding_gemma2_text").model
