@@ -9,10 +9,11 @@ Per preset, one toy decoder (one complex ``freqs_cis`` per layer, or ``--layout 
 1M positions). Its deep copy goes through ``share(model, tables="recompute")``. Where the unshared model fits
 (``--unshared-max-gb``), a third copy keeps a table per layer: inductor alone as users run it today.
 
-Printed: RoPE bytes of each (unshared as the tables' sizes, shared and recompute as storages held), the peak
-of the build and of the conversion (RSS; the CUDA allocator's with ``--device cuda``), and the step-time ratios recompute / shared and recompute / unshared,
-each model compiled per block (torchtitan's regional compile; inductor unless ``--backend``), called in turns (A B, then B A)
-at decode (1 token) and prefill (``--prefill`` tokens); each figure is the median of the per-round ratios.
+Printed: RoPE bytes of each (unshared as the tables' sizes, shared and recompute as storages held), the peak of the
+build and of the conversion (RSS; the CUDA allocator's with ``--device cuda``), and the step-time ratios recompute /
+shared and recompute / unshared, each model compiled per block (torchtitan's regional compile; inductor unless
+``--backend``), called in turns (A B, then B A) at decode (1 token) and prefill (``--prefill`` tokens); each figure
+is the median of the per-round ratios.
 """
 
 from __future__ import annotations

@@ -45,8 +45,8 @@ def skipped_types() -> list[str]:
     found = []
     for row in rows:
         cells = [c.strip() for c in row.strip("|").split("|")]
-        if len(cells) >= 3 and cells[1] == "skipped" and (
-                cells[2].startswith("no text input") or cells[2].startswith("the tiny model's own forward fails on text alone")):
+        if len(cells) >= 3 and cells[1] == "skipped" and cells[2].startswith(
+                ("no text input", "the tiny model's own forward fails on text alone")):
             found.append(cells[0])
     return found
 

@@ -1,9 +1,9 @@
 """``RopeDedupBackend(tables="recompute")``: convert the model's tables while dynamo compiles its first graph.
 
 Dynamo builds a graph's guards after the backend returns. A table replaced by a :class:`RecomputedTable` inside
-the backend gets its guards rebuilt on the recomputed table (its type, recipe and vector, as dynamo guards a
-subclass it traces), so no call recompiles for it. The whole model is converted at once (the outermost module on the call stack
-holding the compiled frame's modules): under regional compile every block then matches the first block's
+the backend gets its guards rebuilt on the recomputed table (its type and recipe, as dynamo guards a subclass it
+traces), so no call recompiles for it. The whole model is converted at once (the outermost module on the call
+stack holding the compiled frame's modules): under regional compile every block then matches the first block's
 guards. The graph itself was traced with the plain table; it is compiled with the recomputed one in that
 input's place, which is what each call passes, so the inner backend traces the rows a read reads.
 
