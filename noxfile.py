@@ -91,7 +91,9 @@ def zoo(session: nox.Session, transformers: str) -> None:
     ``nox -s "zoo(transformers='5.25.0')" -- llama gemma3`` sweeps some types; ``-- --write`` rewrites that
     release's table."""
     session.install(f"torch=={CI_TORCH}")
-    session.install("-e", ".", f"transformers=={transformers}", f"torch=={CI_TORCH}")
+    # pillow as the test extra has it (through matplotlib): without it, image models that need timm say they
+    # need PIL first, and the tables name what is missing as the fast suite's venv sees it.
+    session.install("-e", ".", f"transformers=={transformers}", "pillow==13.0.0", f"torch=={CI_TORCH}")
     session.run("python", "tests/zoo_sweep.py", "--budget", ZOO_BUDGET, *(session.posargs or ["--check"]))
 
 
