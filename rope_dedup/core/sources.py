@@ -251,7 +251,7 @@ def _innermost_module(node: torch.fx.Node) -> str | None:
     to it."""
     stack = [str(entry[0]) for entry in (node.meta.get("nn_module_stack") or {}).values()]
     local = [path for path in stack if path.startswith("L[")]
-    return (local or stack or [None])[-1]
+    return (local or stack)[-1] if stack else None
 
 
 def source_root(node: torch.fx.Node) -> str | None:
