@@ -17,6 +17,7 @@ from rope_dedup.config import ComputedTables, RopeDedupConfig
 from rope_dedup.interning import InterningCallable
 from rope_dedup.core.dynamo_state import release_tensor_refs_at_compile_end
 from rope_dedup.core.memory import release_if_freed
+from rope_dedup.passes.find_mutations import find_mutations
 from rope_dedup.passes.pipeline import run_pipeline
 from rope_dedup.core.eligibility import SkipReason
 from rope_dedup.core.report import DedupReport, Recomputed, Skip
@@ -178,7 +179,8 @@ class RopeDedupBackend:
         """tables="recompute": the model's tables recomputed before dynamo guards on them; the graph's inputs
         with the recomputed tables in place. A failure converts nothing (strict: raises)."""
         try:
-            inputs, conversion = self._recompute.convert(gm, example_inputs, dry_run=config.dry_run)
+            written = {node: how for node, how in find_mutations(gm).items() if node.op == "placeholder"}
+            inputs, conversion = self._recompute.convert(gm, example_inputs, written, dry_run=config.dry_run)
         except Exception as error:
             if config.strict:
                 raise

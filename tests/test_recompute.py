@@ -539,6 +539,36 @@ def test_a_table_passed_as_an_argument_is_kept_with_its_reason():
     assert kept and "share(model, tables=\"recompute\") before compiling" in kept[0].reason
 
 
+class WritingBlock(nn.Module):
+    """A block whose forward scales its own ``cos`` table in place before reading it."""
+
+    def __init__(self, block: nn.Module) -> None:
+        super().__init__()
+        self.block = block
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.block.attention.rope.cos.mul_(1.0 + 2.0 ** -7)
+        return self.block(x)
+
+
+def test_a_table_the_graph_writes_is_kept_with_every_table_of_its_name():
+    """A graph cannot write a recomputed table: the table it writes keeps its values, and so does every table
+    held under that name by a module of that class (another block's graph would write it alike)."""
+    model, twin = twins(homogeneous(2, layout="cos_sin"))
+    model.layers[0], twin.layers[0] = WritingBlock(model.layers[0]), WritingBlock(twin.layers[0])
+    backend = rope_dedup.RopeDedupBackend("aot_eager", tables="recompute")
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=backend)
+    with torch.no_grad():
+        for _ in range(2):
+            assert torch.equal(compiled(TOKENS), twin(TOKENS))
+    held = dict(rope_tensors(model))
+    assert {type(t).__name__ for name, t in held.items() if name.endswith(".cos")} == {"Tensor"}
+    assert {type(t).__name__ for name, t in held.items() if name.endswith(".sin")} == {"RecomputedTable"}
+    kept = {s.path: s.reason for s in backend.report_for(model).skipped if "written in place" in s.reason}
+    assert set(kept) == {name for name in held if name.endswith(".cos")}
+
+
 def test_a_conversion_that_fails_converts_nothing_and_compiles_unconverted(monkeypatch):
     import rope_dedup.recompute.convert as convert
 

@@ -8,12 +8,14 @@ guards. The graph itself was traced with the plain table; it is compiled with th
 input's place, which is what each call passes, so the inner backend traces the rows a read reads.
 
 A table a graph receives as an argument (torchtitan passes ``freqs_cis`` to each block) or as a global is
-guarded as the plain tensor it was: converting it would recompile that graph, so it is kept, with its reason.
+guarded as the plain tensor it was: converting it would recompile that graph, so it is kept, with its reason. So
+is a table the graph writes in place (a recomputed table cannot be written by a graph), and every table held
+under the same name by a module of the same class (another block, whose graph would write it alike).
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import torch
 import torch.fx
@@ -28,6 +30,7 @@ from rope_dedup.tensors import Origin
 
 _ARGUMENT = ("reaches a compiled graph as an argument or a global, guarded as the plain tensor it is: converting it "
              "would recompile; convert with rope_dedup.share(model, tables=\"recompute\") before compiling")
+_WRITTEN = "written in place by a compiled graph ({how}): a graph cannot write a recomputed table"
 
 
 class CompileTimeConverter:
@@ -37,11 +40,13 @@ class CompileTimeConverter:
     def __init__(self) -> None:
         self._converter = Converter()
         self._plain_arguments = WeakIdKeyDictionary()  # tensor -> True
+        self._written: dict[tuple[type, str], str] = {}  # (module class, name) a graph writes -> how
 
-    def convert(self, gm: torch.fx.GraphModule, example_inputs: Sequence, dry_run: bool = False
-                ) -> tuple[list, Conversion]:
-        """Convert the tables of the modules ``gm``'s frame runs in; the example inputs with each converted
-        table input replaced by its :class:`RecomputedTable` (``gm``'s placeholders record it too)."""
+    def convert(self, gm: torch.fx.GraphModule, example_inputs: Sequence, written: Mapping[torch.fx.Node, str],
+                dry_run: bool = False) -> tuple[list, Conversion]:
+        """Convert the tables of the modules ``gm``'s frame runs in, but those ``written`` (placeholder -> how the
+        graph writes it); the example inputs with each converted table input replaced by its
+        :class:`RecomputedTable` (``gm``'s placeholders record it too)."""
         inputs = list(example_inputs)
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         owners = []
@@ -53,6 +58,8 @@ class CompileTimeConverter:
                 self._plain_arguments[value] = True
             elif origin.owner is not None:
                 owners.append(origin.owner)
+                if node in written and origin.reach is not None:
+                    self._written[(type(origin.owner), origin.reach.attr)] = written[node]
         try:
             conversion = recompute_tables(*compiling_modules(*owners), dry_run=dry_run, converter=self._converter,
                                           keep=self._keep)
@@ -69,7 +76,10 @@ class CompileTimeConverter:
                 node.meta["example_value"] = fake_mode.from_tensor(replacement, static_shapes=True)
         return inputs, conversion
 
-    def _keep(self, table: torch.Tensor) -> Refusal | None:
+    def _keep(self, module: torch.nn.Module, name: str, table: torch.Tensor) -> Refusal | None:
+        how = self._written.get((type(module), name))
+        if how is not None:
+            return Refusal(SkipReason.NOT_EXACT, _WRITTEN.format(how=how))
         return Refusal(SkipReason.NOT_EXACT, _ARGUMENT) if table in self._plain_arguments else None
 
     @property

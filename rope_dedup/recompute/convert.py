@@ -101,10 +101,12 @@ class Converter:
 
 
 def recompute_tables(*models: torch.nn.Module, dry_run: bool = False, converter: Converter | None = None,
-                     keep: Callable[[torch.Tensor], Refusal | None] | None = None) -> Conversion:
+                     keep: Callable[[torch.nn.Module, str, torch.Tensor], Refusal | None] | None = None
+                     ) -> Conversion:
     """Replace every recognized RoPE table of ``models`` by a :class:`RecomputedTable` where a recipe gives
     its bits exactly; tables of equal recipes share one frequency vector. Already converted tables count again
-    in the result and change nothing. ``keep`` may refuse a table the converter would take (why, or None)."""
+    in the result and change nothing. ``keep(module, name, table)`` may refuse a table the converter would take
+    (why, or None)."""
     done: list[Recomputed] = []
     kept: list[tuple[str, Refusal]] = []
     replaced: dict[int, RecomputedTable] = {}
@@ -121,7 +123,7 @@ def recompute_tables(*models: torch.nn.Module, dry_run: bool = False, converter:
                 continue
             replacement, recomputed, refusal = converter.convert(tensor, path, origin)
             if replacement is not None and keep is not None:
-                refusal = keep(tensor)
+                refusal = keep(module, path.rpartition(".")[2], tensor)
             if refusal is not None:
                 kept.append((path, refusal))
                 continue
