@@ -286,18 +286,9 @@ def _build(model_type: str, model_class: type, forward: Mapping, level: str, see
         config = tiny_config(model_type, level)
     except Exception as error:
         return f"the shrunk config is refused: {_first_line(error)}"
-    try:
-        with torch.device("meta"):  # counted before memory is spent on it
-            size = sum(p.numel() for p in model_class(config).parameters())
-    except Exception as error:
-        return f"the tiny model does not build: {_first_line(error)}"
-    if size > MAX_PARAMETERS:
-        return f"still {size / 1e6:.0f}M parameters shrunk this far ({level})"
-    torch.manual_seed(seed)
-    try:
-        model = model_class(config).eval()
-    except Exception as error:
-        return f"the tiny model does not build: {_first_line(error)}"
+    model = instantiate(model_class, config, level, seed)
+    if isinstance(model, str):
+        return model
     text = _text_config(config)
     vocab = getattr(text, "vocab_size", None) or VOCAB
     ids = torch.randint(4, min(vocab, VOCAB) - 40, (1, TOKENS), generator=torch.Generator().manual_seed(seed + 1))
@@ -317,6 +308,23 @@ def _build(model_type: str, model_class: type, forward: Mapping, level: str, see
                 return f"the tiny model's own forward fails on text alone: {_first_line(error)}"
     layers = next((getattr(text, k) for k in _LAYER_COUNTS if isinstance(getattr(text, k, None), int)), 0)
     return Tiny(model_type, model, inputs, layers, level, output)
+
+
+def instantiate(model_class: type, config: Any, level: str, seed: int) -> torch.nn.Module | str:
+    """The model of ``config``, seeded and in eval mode, or why not: too large (counted on meta first), or
+    transformers raised building it."""
+    try:
+        with torch.device("meta"):  # counted before memory is spent on it
+            size = sum(p.numel() for p in model_class(config).parameters())
+    except Exception as error:
+        return f"the tiny model does not build: {_first_line(error)}"
+    if size > MAX_PARAMETERS:
+        return f"still {size / 1e6:.0f}M parameters shrunk this far ({level})"
+    torch.manual_seed(seed)
+    try:
+        return model_class(config).eval()
+    except Exception as error:
+        return f"the tiny model does not build: {_first_line(error)}"
 
 
 def _text_config(config: Any) -> Any:

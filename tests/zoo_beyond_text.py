@@ -80,18 +80,9 @@ def build_at(model_type, model_class, params, level, seed=0, verbose=False):
         config = config_at(model_type, level)
     except Exception as error:
         return f"the shrunk config is refused: {_short(error)}"
-    try:
-        with torch.device("meta"):
-            size = sum(p.numel() for p in model_class(config).parameters())
-    except Exception as error:
-        return f"the tiny model does not build: {_short(error)}"
-    if size > zoo.MAX_PARAMETERS:
-        return f"still {size / 1e6:.0f}M parameters shrunk this far ({level})"
-    torch.manual_seed(seed)
-    try:
-        model = model_class(config).eval()
-    except Exception as error:
-        return f"the tiny model does not build: {_short(error)}"
+    model = zoo.instantiate(model_class, config, level, seed)
+    if isinstance(model, str):
+        return model
     try:
         made = I.non_text_inputs(model_type, model, config, params)
     except Exception as error:
