@@ -34,8 +34,9 @@ _WRITTEN = "written in place by a compiled graph ({how}): a graph cannot write a
 
 
 class CompileTimeConverter:
-    """One backend's conversions: one frequency vector per key across its graphs, and the tables some graph
-    took as a plain argument (never converted afterwards: that graph's guards would fail)."""
+    """One backend's conversions: one frequency vector per key across its graphs; the tables some graph took as a
+    plain argument (never converted afterwards: that graph's guards would fail) and the (module class, name)
+    some graph writes (never converted: a graph cannot write a recomputed table)."""
 
     def __init__(self) -> None:
         self._converter = Converter()
