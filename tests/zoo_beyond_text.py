@@ -71,15 +71,11 @@ def config_at(model_type: str, level: str):
     return config_class.from_dict(values)
 
 
-def _short(error: BaseException) -> str:
-    return zoo._first_line(error)
-
-
 def build_at(model_type, model_class, params, level, seed=0, verbose=False):
     try:
         config = config_at(model_type, level)
     except Exception as error:
-        return f"the shrunk config is refused: {_short(error)}"
+        return f"the shrunk config is refused: {zoo._first_line(error)}"
     model = zoo.instantiate(model_class, config, level, seed)
     if isinstance(model, str):
         return model
@@ -88,7 +84,7 @@ def build_at(model_type, model_class, params, level, seed=0, verbose=False):
     except Exception as error:
         if verbose:
             print("".join(traceback.format_exc().splitlines(True)[-8:]))
-        return f"the input builder raised: {_short(error)}"
+        return f"the input builder raised: {zoo._first_line(error)}"
     if isinstance(made, str):
         return f"no inputs: {made}"
     with torch.no_grad():
@@ -97,7 +93,7 @@ def build_at(model_type, model_class, params, level, seed=0, verbose=False):
         except Exception as error:
             if verbose:
                 print("".join(traceback.format_exc().splitlines(True)[-8:]))
-            return f"forward fails on the built inputs: {_short(error)}"
+            return f"forward fails on the built inputs: {zoo._first_line(error)}"
     return Built(model_type, model, made, level, output)
 
 
@@ -105,7 +101,7 @@ def build(model_type: str, verbose=False) -> Built | str:
     model_class = model_class_of(model_type)
     params = inspect.signature(model_class.forward).parameters
     reasons = []
-    for level in I.LEVELS.get(model_type, zoo.LEVELS):
+    for level in zoo.LEVELS:
         built = build_at(model_type, model_class, params, level, verbose=verbose)
         if isinstance(built, Built):
             return built

@@ -462,10 +462,9 @@ def non_text_inputs(model_type: str, model: torch.nn.Module, config: Any,
     return builder(model_type, model, config, forward_params)
 
 
-# -- config fixes (applied to the shrunk dict before from_dict) and level overrides --------------------
+# -- config fixes (applied to the shrunk dict before from_dict) --------------------
 
 CONFIG_FIXES: dict[str, Callable] = {}
-LEVELS: dict[str, tuple[str, ...]] = {}
 
 
 def _backbone_stages(values: dict, level: str) -> None:
