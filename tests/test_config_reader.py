@@ -129,10 +129,15 @@ def test_frequencies_come_from_transformers_own_functions() -> None:
 
 def test_a_field_the_reader_cannot_read_is_one_finding_or_raises_when_strict() -> None:
     model = tiny("llama").model
-    model.config.rope_parameters = {"rope_type": "axial", "rope_theta": 1e4}
+    model.config.rope_parameters = {"rope_type": "spiral", "rope_theta": 1e4}
     for audit in (explain(model, expect="config"), explain(model, torch.randint(4, 200, (1, 16)), expect="config")):
         (finding,) = audit.mismatches
         assert (finding.layer, finding.field) == ("(config)", "config")
-        assert finding.found.startswith("model.config.rope_parameters: rope_type 'axial' is not one the audit knows")
-    with pytest.raises(SpecError, match="rope_type 'axial'"):
+        assert finding.found.startswith("model.config.rope_parameters: rope_type 'spiral' is not one the audit knows")
+    with pytest.raises(SpecError, match="rope_type 'spiral'"):
         explain(model, expect="config", strict=True)
+    # "axial" is read with the model's own rotary class, which a text model has not.
+    model.config.rope_parameters = {"rope_type": "axial", "rope_theta": 1e4}
+    (finding,) = explain(model, expect="config").mismatches
+    assert finding.found == ("model.config.rope_parameters: rope_type 'axial' and no rotary module with "
+                             "compute_axial_rope_parameters")

@@ -9,9 +9,11 @@ with ``from_dict``. The rotary dims are never shrunk: ``head_dim``, ``partial_ro
 audit judges the RoPE the architecture really has. :func:`sweep_one` runs the static audit, the dynamic
 audit and ``share()`` on it and says how they went.
 
-A type that cannot be made tiny, or whose tiny model cannot run a text-only forward, is a
-:class:`Skipped` with the reason. Used by ``tests/test_zoo.py`` (about twenty pinned types) and
-``tests/zoo_sweep.py`` (all of them: ``nox -s zoo``).
+Its inputs are text, or, for the types ``tests/zoo_inputs.py`` has a builder for (vision towers, audio
+encoders, multimodal models), inputs of the right shape taken from the config; that module's
+``CONFIG_FIXES`` also mend default configs that do not build or run once shrunk. A type that cannot be
+made tiny, or whose tiny model cannot run on its inputs, is a :class:`Skipped` with the reason. Used by
+``tests/test_zoo.py`` (about twenty-five pinned types) and ``tests/zoo_sweep.py`` (all of them: ``nox -s zoo``).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 import torch
+import zoo_inputs
 
 # The size every shrunk config gets (a key is set only where the config has it).
 HEADS = 2
@@ -60,7 +63,7 @@ _MODEL_MAPPINGS = ("MODEL_MAPPING_NAMES", "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "
 
 @dataclass
 class Tiny:
-    """A tiny random-init model of one type and the keyword inputs of its text-only forward."""
+    """A tiny random-init model of one type and the keyword inputs of one forward (text, or zoo_inputs')."""
 
     model_type: str
     model: torch.nn.Module
@@ -244,16 +247,21 @@ def _head_dim(values: dict[str, Any]) -> int | None:
 
 
 def tiny_config(model_type: str, level: str = "tiny") -> Any:
-    """The type's default config, shrunk and loaded back as a checkpoint's config would be."""
+    """The type's default config, shrunk (and mended, where zoo_inputs.CONFIG_FIXES says how) and loaded back
+    as a checkpoint's config would be."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     config_class = CONFIG_MAPPING[model_type]
-    return config_class.from_dict(shrink(config_class().to_dict(), level))
+    values = shrink(config_class().to_dict(), level)
+    fix = zoo_inputs.CONFIG_FIXES.get(model_type)
+    if fix is not None:
+        fix(values, level)
+    return config_class.from_dict(values)
 
 
 def build(model_type: str, seed: int = 0) -> Tiny | Skipped:
     """The type's base model (``AutoModel``'s class), as small as :data:`LEVELS` allows, in eval mode,
-    with text-only inputs its forward runs on."""
+    with inputs its forward runs on: zoo_inputs' for the types it has a builder for, else text."""
     import transformers
     from transformers.models.auto import modeling_auto
 
@@ -268,9 +276,9 @@ def build(model_type: str, seed: int = 0) -> Tiny | Skipped:
     if model_class is None:
         return Skipped(model_type, f"transformers exports no {class_name}")
     forward = inspect.signature(model_class.forward).parameters
-    if "input_ids" not in forward:
+    if "input_ids" not in forward and model_type not in zoo_inputs.BUILDERS:
         needs = next((name for name in forward if name != "self"), "?")
-        return Skipped(model_type, f"no text input: its forward starts with {needs}")
+        return Skipped(model_type, f"no text input: its forward starts with {needs}, and zoo_inputs has no builder")
     reasons = []
     for level in LEVELS:
         tiny = _build(model_type, model_class, forward, level, seed)
@@ -290,6 +298,9 @@ def _build(model_type: str, model_class: type, forward: Mapping, level: str, see
     if isinstance(model, str):
         return model
     text = _text_config(config)
+    layers = next((getattr(text, k) for k in _LAYER_COUNTS if isinstance(getattr(text, k, None), int)), 0)
+    if model_type in zoo_inputs.BUILDERS:
+        return _build_from(model_type, model, config, forward, level, layers)
     vocab = getattr(text, "vocab_size", None) or VOCAB
     ids = torch.randint(4, min(vocab, VOCAB) - 40, (1, TOKENS), generator=torch.Generator().manual_seed(seed + 1))
     inputs = {"input_ids": ids}
@@ -306,7 +317,23 @@ def _build(model_type: str, model_class: type, forward: Mapping, level: str, see
                 output = first_tensor(model(**inputs))
             except Exception:
                 return f"the tiny model's own forward fails on text alone: {_first_line(error)}"
-    layers = next((getattr(text, k) for k in _LAYER_COUNTS if isinstance(getattr(text, k, None), int)), 0)
+    return Tiny(model_type, model, inputs, layers, level, output)
+
+
+def _build_from(model_type: str, model: torch.nn.Module, config: Any, forward: Mapping, level: str,
+                layers: int) -> Tiny | str:
+    """The type with zoo_inputs' inputs: images, audio, embeddings, text with an image span."""
+    try:
+        inputs = zoo_inputs.non_text_inputs(model_type, model, config, forward)
+    except Exception as error:
+        return f"the input builder raised: {_first_line(error)}"
+    if isinstance(inputs, str):
+        return f"no inputs: {inputs}"
+    with torch.no_grad():
+        try:
+            output = first_tensor(model(**inputs))
+        except Exception as error:
+            return f"the tiny model's own forward fails on the built inputs: {_first_line(error)}"
     return Tiny(model_type, model, inputs, layers, level, output)
 
 
@@ -413,7 +440,9 @@ def disagreements(static: Any, dynamic: Any) -> list[str]:
     config = [{(m.field, m.found) for m in audit.mismatches if m.layer == "(config)"} for audit in (static, dynamic)]
     if config[0] != config[1]:
         found.append(f"config findings: static {sorted(config[0])}, dynamic {sorted(config[1])}")
-    nothing = [any(m.layer == "(model)" and m.field == "rope" for m in audit.mismatches) for audit in (static, dynamic)]
+    # "RoPE applied that the audit cannot measure" is no disagreement: the forward saw tables, unread.
+    nothing = [any(m.layer == "(model)" and m.field == "rope" and m.found.startswith("no RoPE table")
+                   for m in audit.mismatches) for audit in (static, dynamic)]
     if nothing[1] and static.applied:
         found.append("the static audit measured tables held, the dynamic audit saw none applied")
     if nothing[0] and any(_STATE.search(t.source) for t in dynamic.applied):
@@ -458,6 +487,27 @@ EXPLAINED_5: dict[str, Explained] = {
     "lara_mini": Explained(_ROPE_OFF, _ROPE_OFF_ON_GLOBAL_LAYERS.format(
         code="`position_embeddings=position_embeddings if layer_type == \"sliding_attention\" else None`"),
         since="5.25.0"),
+    "clvp": Explained(
+        r"^\(config\): config: .* found model.config has neither rope_parameters nor rope_theta$",
+        "true: CLVP's rotary module hard-codes its base (`10000 ** (torch.arange(0, dim, 2) / dim)`), and its "
+        "config names no theta to read"),
+    "zamba2": Explained(
+        r"^\(model\): rope: expected RoPE applied in attention layers, found no RoPE table (held|applied)",
+        "true: the default config says `use_mem_rope=False`, so the shared attention block builds no rotary "
+        "module, while the config carries rope_parameters"),
+    **{model_type: Explained(
+        r"^(rope_embeddings: rotary_dim: expected 64, found 32|\(model\): rope: expected RoPE applied in "
+        r"attention layers, found RoPE applied that the audit cannot measure .*)$",
+        "not judged: DINOv3's RoPE rotates patch-centre coordinates in [-1, 1], not whole positions, with "
+        "head_dim/4 frequencies per axis that its config (a plain rope_theta) does not describe; the dynamic "
+        "audit says it cannot measure them, the static one reads the config as 1-D RoPE")
+       for model_type in ("dinov3_vit", "sapiens2")},
+    "efficientloftr": Explained(
+        r"^\(model\): rope: expected RoPE applied in attention layers, found RoPE applied that the audit cannot "
+        r"measure .*$",
+        "not judged: EfficientLoFTR builds its 2-D positions inside the graph as two float grids counted from 1 "
+        "(`ones(h, w).cumsum(0)`, `.cumsum(1)`), 2x2 in the tiny model, which the dynamic audit does not take "
+        "for positions: it says it cannot measure the tables its coarse attention layers apply"),
     "kimi_linear": Explained(
         r"^\(config\): config: .* found model.config has neither rope_parameters nor rope_theta$",
         "true: Kimi Linear's MLA keeps a `qk_rope_head_dim` split but applies no RoPE (its attention has "

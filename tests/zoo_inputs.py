@@ -1,13 +1,13 @@
-"""Inputs built from the config for the zoo types whose forward is not text-only (issue 42, item 3: groundwork).
+"""Inputs built from the config for the zoo types whose forward is not text-only (issue 42).
 
 ``non_text_inputs(model_type, model, config, forward_params)`` returns the keyword inputs of one small forward
 (a seeded generator, as ``zoo._build`` makes its text inputs): images (flattened patches with their grid for
-Qwen-style towers, pixel values elsewhere), audio (waveforms, mel features), ``hidden_states`` for towers that
-take embeddings, text with an image span for multimodal models; or a str saying why none can be made.
-``CONFIG_FIXES`` mend default configs that do not build or run once shrunk (each says why, from the model's
-code). Shapes follow transformers 5.23.0's modeling code (pointers in the comments). Used by
-``tests/zoo_beyond_text.py``; the sweep (``zoo.build``) does not use them yet: the audit does not judge 2-D
-axial, M-RoPE-with-image-position or rotation-matrix tables yet (docs/zoo.md, "Beyond text").
+Qwen-style towers, pixel values elsewhere), audio (waveforms, mel features, codec latents), ``hidden_states``
+for towers that take embeddings, text with an image span for multimodal models, an inference session for the
+SAM video trackers; or a str saying why none can be made. ``CONFIG_FIXES`` mend default configs that do not
+build or run once shrunk (each says why, from the model's code). ``zoo.build`` uses both: a type with a
+builder here runs on its inputs, every type's shrunk config goes through its fix. Shapes follow transformers
+5.23.0's modeling code (pointers in the comments).
 """
 
 from __future__ import annotations
@@ -400,7 +400,8 @@ BUILDERS: dict[str, Callable] = {
     **{t: _grid_thw_tower for t in (
         "cohere_compass_vision", "exaone4_5_vision", "glm4v_moe_vision", "glm4v_vision", "glm5_next_vision",
         "glm_ocr_vision", "qwen2_5_vl_vision", "qwen3_5_moe_vision", "qwen3_5_vision", "qwen3_vl_moe_vision",
-        "qwen3_vl_vision", "qwen4_exp_vision", "lfm3_vl_vision")},
+        "qwen3_vl_vision", "qwen4_exp_vision", "lfm3_vl_vision",
+        "llava_onevision1_5_vision", "ovis2_5_vision")},  # these two: transformers 5.25
     "gemma4_vision": _gemma4_vision,
     "kimi_k25_vision": _kimi_k25_vision,
     "inkling2_vision": _inkling2_vision,

@@ -7,6 +7,11 @@ audit runs each compiled graph once through :class:`TableCapture` (a ``torch.fx.
 keeps, for every multiply with a RoPE table on one side and a larger tensor (queries, keys) on the
 other, that table's value, measured with :func:`recognize_rope_table` at the positions it covers, and
 names the layer from the multiply's ``nn_module_stack``: dynamo records the module each node ran in.
+
+The positions are the integer tensors the table was computed from, in its graph or in the earlier graph
+that computed it. Positions on several axes (M-RoPE's 3-D ``position_ids``, a vision tower's (h, w) grid)
+give the table a 1-D sequence gets and the axis of each column (:mod:`rope_dedup.tables.axes`); cos/sin
+applied where nothing could be measured are listed as unmeasured, never dropped in silence.
 """
 
 from __future__ import annotations
@@ -14,13 +19,14 @@ from __future__ import annotations
 import operator
 from collections import deque
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence, Union
 
 import torch
 import torch.fx
 import torch.utils._pytree as pytree
 
 from rope_dedup.audit.layers import layer_of
+from rope_dedup.tables.axes import axes_label, axis_positions, split_axes
 from rope_dedup.tables.keys import RopeKey, infer_key
 from rope_dedup.tables.layout import Arrangement, Layout, Part, Repeat
 from rope_dedup.tables.recognize import RopeTable, recognize_rope_table
@@ -29,6 +35,8 @@ from rope_dedup.core.sources import attribute_origin, module_path, module_root, 
 
 _MULTIPLY = {operator.mul, torch.mul, torch.Tensor.mul, "mul"}
 _TRIG = {torch.cos, torch.sin, torch.polar, torch.Tensor.cos, torch.Tensor.sin, "cos", "sin"}
+# A table over several axes: (the axis of each column, None where the positions cannot tell; how many axes).
+Axes = Union[tuple[tuple[Union[int, None], ...], int], None]
 
 
 @dataclass(frozen=True)
@@ -43,6 +51,10 @@ class AppliedTable:
     positions: torch.Tensor  # int64 (positions,): the position of each row of ``parts``
     dtype: torch.dtype  # of the applied values
     angle_dtype: torch.dtype | None  # of the angles cos/sin were taken of, when computed in the graph
+    # A table over several position axes (2-D axial, M-RoPE): the axis of each column of ``parts`` (None: any),
+    # and how many axes the positions had; ``parts`` then holds the rows a 1-D sequence gets (axes.py).
+    axes: tuple[int | None, ...] = ()
+    axis_count: int = 0
 
     @property
     def part_names(self) -> str:
@@ -62,6 +74,8 @@ class TableCapture:
         self.paths = tensor_paths(model)
         self.captured: list[_Candidate] = []
         self.computed: dict[int, tuple] = {}  # tables a graph returned, for the graphs that receive them
+        # (layer, source) of cos/sin applied in a layer where no table could be measured: see tables()
+        self.unmeasured: list[tuple[str, str]] = []
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence, **kwargs: Any) -> Callable:
         # Each placeholder's frame local and path from it, read now: dynamo drops the sources after compiling.
@@ -85,13 +99,17 @@ class TableCapture:
         """Drop the values captured: the compiled entries dynamo keeps on shared code hold this backend."""
         self.captured.clear()
         self.computed.clear()
+        self.unmeasured.clear()
 
     def tables(self) -> list[AppliedTable]:
         """Every table applied, once per layer and source; a cos and a sin from one place are measured
-        together (angles from both are exact where a lone cos or sin is not)."""
+        together (angles from both are exact where a lone cos or sin is not). Values computed from a cos or
+        a sin and applied in a layer where nothing could be measured go to :attr:`unmeasured` (angles over
+        coordinates that are not whole positions: DINOv3's patch centres in [-1, 1])."""
         found: list[AppliedTable | None] = []
-        lone: dict[tuple, list[tuple[str, _Candidate, torch.Tensor, torch.Tensor]]] = {}
-        late: dict[tuple, list[tuple[_Candidate, torch.Tensor, torch.Tensor]]] = {}
+        unread: list[_Candidate] = []
+        lone: dict[tuple, list[tuple[str, _Candidate, torch.Tensor, torch.Tensor, Axes]]] = {}
+        late: dict[tuple, list[tuple[_Candidate, torch.Tensor, torch.Tensor, Axes]]] = {}
         for candidate in self.captured:
             measured = _measure(candidate)
             if measured is None:
@@ -103,28 +121,33 @@ class TableCapture:
                         waiting.append((candidate, *rows_at))
                     else:
                         waiting.remove(partner)
-                        found.append(_from_late_pair(candidate, rows_at[0], partner[1], rows_at[1]))
+                        found.append(_from_late_pair(candidate, rows_at[0], partner[1], rows_at[1], rows_at[2]))
+                elif candidate.angle_dtype is not None:
+                    unread.append(candidate)
                 continue
-            kind, rows, positions = measured
+            kind, rows, positions, axes = measured
             if kind not in ("cos", "sin"):
-                found.append(_applied(candidate, rows, positions))
+                found.append(_applied(candidate, rows, positions, axes))
                 continue
             alone = lone.setdefault((candidate.layer, rows.shape, positions.numel()), [])
             other = next((entry for entry in alone if entry[0] != kind), None)
             if other is None:
-                alone.append((kind, candidate, rows, positions))
+                alone.append((kind, candidate, rows, positions, axes))
                 continue
             alone.remove(other)
-            mine, theirs = (rows, candidate), (other[2], other[1])
-            (cos, cos_from), (sin, sin_from) = (mine, theirs) if kind == "cos" else (theirs, mine)
+            mine, theirs = (rows, candidate, axes), (other[2], other[1], other[4])
+            (cos, cos_from, cos_axes), (sin, sin_from, sin_axes) = (mine, theirs) if kind == "cos" else (theirs, mine)
             source = cos_from.source if cos_from.source == sin_from.source else f"{cos_from.source} + {sin_from.source}"
-            pair = _applied(replace(candidate, source=source), torch.cat([cos, sin], dim=-1), positions)
-            found += [pair] if pair is not None else [_applied(candidate, rows, positions), _applied(*other[1:])]
+            both = (cos_axes[0] + sin_axes[0], cos_axes[1]) if cos_axes is not None and sin_axes is not None else None
+            pair = _applied(replace(candidate, source=source), torch.cat([cos, sin], dim=-1), positions, both)
+            found += [pair] if pair is not None else [_applied(candidate, rows, positions, axes), _applied(*other[1:])]
         found += [_applied(*entry[1:]) for alone in lone.values() for entry in alone]
         unique: dict[tuple, AppliedTable] = {}
         for table in found:  # q and k of one layer read the same table: list it once
             if table is not None:
                 unique.setdefault((table.layer, table.source, table.part_names, table.key), table)
+        read = {table.layer for table in unique.values()}
+        self.unmeasured = list(dict.fromkeys((c.layer, c.source) for c in unread if c.layer not in read))
         return list(unique.values())
 
 
@@ -145,8 +168,10 @@ class _Interpreter(torch.fx.Interpreter):
         super().__init__(gm)
         self.paths = paths
         self.sources = sources
-        self.computed = computed  # id(tensor) -> (tensor, where computed, angle dtype), from earlier graphs
+        # id(tensor) -> (tensor, where computed, angle dtype, integer tensors it was computed from), from earlier graphs
+        self.computed = computed
         self.carried: dict[torch.fx.Node, tuple[str, torch.dtype]] = {}  # placeholders an earlier graph computed
+        self.carried_ids: dict[torch.fx.Node, list[torch.Tensor]] = {}  # ... and the positions it computed them from
         self.integers: dict[torch.fx.Node, torch.Tensor] = {}  # small integer tensors: candidate positions
         self.state: dict[torch.fx.Node, str] = {}  # placeholders and attributes holding module state
         self.angle_dtypes: dict[torch.fx.Node, torch.dtype] = {}  # trig nodes -> dtype of their input
@@ -166,10 +191,14 @@ class _Interpreter(torch.fx.Interpreter):
             self._note_root(node, result)
             earlier = self.computed.get(id(result))
             if earlier is not None and earlier[0] is result:
-                self.carried[node] = earlier[1:]
-        if not (result.dtype.is_floating_point or result.dtype.is_complex or result.dtype == torch.bool) \
+                self.carried[node], self.carried_ids[node] = earlier[1:3], earlier[3]
+        # A tensor escaped from a vmap (transformers builds masks with one) has no values to read.
+        readable = not torch._C._functorch.is_functorch_wrapped_tensor(result)
+        if readable and not (result.dtype.is_floating_point or result.dtype.is_complex or result.dtype == torch.bool) \
                 and result.dim() <= 3:
             self.integers[node] = result
+        elif readable and node.op in ("placeholder", "get_attr") and _whole_numbers(result):
+            self.integers[node] = result  # positions a module keeps as floats (SAM 3's ViT: a buffer of grid coordinates)
         if node.target in _TRIG and node.args and isinstance(self.env.get(node.args[0]), torch.Tensor):  # type: ignore[arg-type]
             self.angle_dtypes[node] = self.env[node.args[0]].dtype  # type: ignore[index]
         if node.target in _MULTIPLY and node.op in ("call_function", "call_method") and len(node.args) == 2:
@@ -211,7 +240,10 @@ class _Interpreter(torch.fx.Interpreter):
             return
         if not (value.dtype.is_floating_point or value.dtype.is_complex) or value.dim() < 2:
             return
-        if other.numel() < value.numel() or result.shape != other.shape:
+        rotation = _rotation_matrices(value, other)
+        if rotation is not None:
+            value = rotation
+        elif other.numel() < value.numel() or result.shape != other.shape:
             return
         if sum(1 for s in value.shape if s != 1) < 2:
             return
@@ -222,7 +254,7 @@ class _Interpreter(torch.fx.Interpreter):
             layer=self.layer(multiply),
             source=source or "a forward input",
             value=value.detach().clone(),
-            position_ids=[self.integers[n] for n in ancestors if n in self.integers],
+            position_ids=self.position_ids(ancestors),
             angle_dtype=angle_dtype,
         ))
 
@@ -238,16 +270,43 @@ class _Interpreter(torch.fx.Interpreter):
         carried = next((self.carried[n] for n in ancestors if n in self.carried), None)
         return carried if carried is not None else (", ".join(states) or None, None)
 
-    def computed_outputs(self, output: Any) -> list[tuple[torch.Tensor, str | None, torch.dtype]]:
-        """(tensor, where computed, angle dtype) for each output of this run computed from a trig op."""
+    def position_ids(self, ancestors: list[torch.fx.Node]) -> list[torch.Tensor]:
+        """The integer tensors a value was computed from, nearest first: in this graph, then in the earlier
+        graphs that computed its inputs."""
+        return [self.integers[n] for n in ancestors if n in self.integers] \
+            + [ids for n in ancestors if n in self.carried_ids for ids in self.carried_ids[n]]
+
+    def computed_outputs(self, output: Any) -> list[tuple[torch.Tensor, str | None, torch.dtype, list[torch.Tensor]]]:
+        """(tensor, where computed, angle dtype, the integer tensors among its inputs) for each output of this run
+        computed from a trig op: a vision tower's cos/sin reach its blocks' graphs without their (h, w) grid."""
         out_node = next(n for n in reversed(self.graph.nodes) if n.op == "output")
         found = []
         for node, value in zip(pytree.tree_leaves(out_node.args[0]), pytree.tree_leaves(output)):
             if isinstance(node, torch.fx.Node) and isinstance(value, torch.Tensor):
-                source, angle_dtype = self.provenance(_ancestors(node))
+                ancestors = _ancestors(node)
+                source, angle_dtype = self.provenance(ancestors)
                 if angle_dtype is not None:
-                    found.append((value, source, angle_dtype))
+                    found.append((value, source, angle_dtype, self.position_ids(ancestors)))
         return found
+
+
+def _rotation_matrices(value: torch.Tensor, other: torch.Tensor) -> torch.Tensor | None:
+    """A table of 2x2 rotations ``[[cos, -sin], [sin, cos]]`` applied to pairs as ``(x[..., None, :] * R).sum(-1)``
+    (PE Audio), as the complex table ``cos + i sin`` it holds; None for anything else."""
+    if value.dim() < 3 or value.shape[-2:] != (2, 2) or other.shape[-2:] != (1, 2) or value.dtype.is_complex:
+        return None
+    cos, sin = value[..., 0, 0], value[..., 1, 0]
+    if not (torch.equal(value[..., 1, 1], cos) and torch.equal(value[..., 0, 1], -sin)):
+        return None
+    return torch.complex(cos.to(torch.float32), sin.to(torch.float32)) if value.dtype != torch.float64 \
+        else torch.complex(cos, sin)
+
+
+def _whole_numbers(value: torch.Tensor) -> bool:
+    """A small real tensor of whole numbers >= 0: what a grid of positions kept as floats holds."""
+    if not value.dtype.is_floating_point or value.dim() > 3 or not 2 <= value.numel() <= 1 << 16 or value.is_meta:
+        return False
+    return bool((value >= 0).all()) and bool((value == value.round()).all())
 
 
 def _ancestors(node: torch.fx.Node) -> list[torch.fx.Node]:
@@ -263,8 +322,9 @@ def _ancestors(node: torch.fx.Node) -> list[torch.fx.Node]:
     return order
 
 
-def _measure(candidate: _Candidate) -> tuple[str, torch.Tensor, torch.Tensor] | None:
-    """(kind, rows by position, positions) of a recognized candidate; None if it is no RoPE table here."""
+def _measure(candidate: _Candidate) -> tuple[str, torch.Tensor, torch.Tensor, Axes] | None:
+    """(kind, rows by position, positions, the axis of each column) of a recognized candidate; None if it is
+    no RoPE table here."""
     value = candidate.value.reshape([s for s in candidate.value.shape if s != 1])
     if value.dim() not in (2, 3):
         return None
@@ -276,7 +336,7 @@ def _measure(candidate: _Candidate) -> tuple[str, torch.Tensor, torch.Tensor] | 
     for ids in candidate.position_ids + [None]:
         if ids is None:
             if strided or value.dim() == 3 and not bool((value == value[:1]).all()):
-                return None  # tables at other positions than their own rows': nothing to measure against
+                return _measure_axes(candidate, batch)  # rows at positions on several axes, or none to measure
             rows = value if value.dim() == 2 else value[0]
             positions = torch.arange(rows.shape[0], device="cpu")
         else:
@@ -289,17 +349,60 @@ def _measure(candidate: _Candidate) -> tuple[str, torch.Tensor, torch.Tensor] | 
                 continue
             strided = strided or step > 1
             rows = batch[first.to(batch.device)]
-        found = recognize_rope_table(rows)
-        if isinstance(found, RopeTable) and found.length is not None:
-            single = found.layout.single
-            kind = single.value if single in (Part.COS, Part.SIN) else str(found.layout)
-            return kind, rows, positions
+            if not torch.equal(rows[torch.searchsorted(positions, flat).to(batch.device)], batch):
+                continue  # tokens at one position with different rows: these ids are one axis of several (Pixtral's h)
+        kind = _kind(rows)
+        if kind is not None:
+            return kind, rows, positions, None
+    return _measure_axes(candidate, batch)
+
+
+def _measure_axes(candidate: _Candidate, batch: torch.Tensor) -> tuple[str, torch.Tensor, torch.Tensor, Axes] | None:
+    """A table over several position axes: rows whose tokens sit at positions on 2 to 4 axes (an integer input
+    of shape (axes, tokens) or (tokens, axes): M-RoPE's 3-D position_ids, a vision tower's (h, w) grid),
+    measured as the table a 1-D sequence gets (:func:`split_axes`)."""
+    for rows, of_column, start, count in _axes_splits(candidate, batch):
+        kind = _kind(rows) if start == 0 else None
+        if kind is not None:
+            return kind, rows, torch.arange(rows.shape[0], device="cpu"), (of_column, count)
     return None
 
 
-def _late_rows(candidate: _Candidate) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(rows, positions) of a table applied at positions p, p+1, ... with p > 0 (PaliGemma counts positions
-    from 1), which recognition cannot read alone: its first row is not position 0."""
+def _axes_splits(candidate: _Candidate, batch: torch.Tensor) -> Iterator[tuple[torch.Tensor, tuple[int | None, ...], int, int]]:
+    """Each (rows, axis of each column, first position, number of axes) :func:`split_axes` reads from the
+    candidate's integer inputs. The rows may hold a few more tokens than the grid, first or last (MLCD's
+    class token), or come in another order: windowed towers (Qwen2.5-VL) reorder the rows in blocks by a
+    permutation, which is then one of the integer inputs too."""
+    orders = [ids.reshape(-1).to(torch.int64).cpu() for ids in candidate.position_ids if ids.dim() <= 1]
+    orders = [o for o in orders if 1 < o.numel() and torch.equal(o.sort().values, torch.arange(o.numel(), device="cpu"))]
+    for ids in candidate.position_ids:
+        for tokens in dict.fromkeys((batch.shape[0], ids.numel() // 2, ids.numel() // 3, ids.numel() // 4)):
+            positions = axis_positions(ids, tokens) if 0 < tokens <= batch.shape[0] else None
+            if positions is None:
+                continue
+            positions = positions.cpu()
+            for order in [None, *(o for o in orders if tokens % o.numel() == 0 and o.numel() < tokens)]:
+                placed = positions if order is None else \
+                    positions.reshape(positions.shape[0], order.numel(), -1)[:, order].reshape(positions.shape)
+                for rows in (batch[:tokens], batch[batch.shape[0] - tokens:]):
+                    split = split_axes(rows, placed)
+                    if split is not None:
+                        yield (*split, placed.shape[0])
+
+
+def _kind(rows: torch.Tensor) -> str | None:
+    """``cos`` / ``sin`` for a lone part, the layout for a whole table, None when recognition refuses the rows."""
+    found = recognize_rope_table(rows)
+    if not (isinstance(found, RopeTable) and found.length is not None):
+        return None
+    single = found.layout.single
+    return single.value if single in (Part.COS, Part.SIN) else str(found.layout)
+
+
+def _late_rows(candidate: _Candidate) -> tuple[torch.Tensor, torch.Tensor, Axes] | None:
+    """(rows, positions, axes) of a table applied at positions p, p+1, ... with p > 0 (PaliGemma counts
+    positions from 1, Muse's vision tower its grid), which recognition cannot read alone: its first row is not
+    position 0."""
     value = candidate.value.reshape([s for s in candidate.value.shape if s != 1])
     if value.dim() not in (2, 3):
         return None
@@ -310,12 +413,15 @@ def _late_rows(candidate: _Candidate) -> tuple[torch.Tensor, torch.Tensor] | Non
         positions, first = _first_occurrence(ids.reshape(-1).to(torch.int64).cpu())
         start = int(positions[0])
         if start > 0 and positions.numel() >= 2 and torch.equal(positions, start + torch.arange(positions.numel(), device="cpu")):
-            return batch[first.to(batch.device)], positions
+            return batch[first.to(batch.device)], positions, None
+    for rows, of_column, start, count in _axes_splits(candidate, batch):
+        if start > 0:
+            return rows, start + torch.arange(rows.shape[0], device="cpu"), (of_column, count)
     return None
 
 
 def _from_late_pair(candidate: _Candidate, rows: torch.Tensor, other: torch.Tensor,
-                    positions: torch.Tensor) -> AppliedTable | None:
+                    positions: torch.Tensor, axes: Axes) -> AppliedTable | None:
     """A cos and a sin applied from position p > 0, turned to the same table from position 0: with
     z = cos + i sin = A exp(i (p + k) f), z * conj(z[0]) / |z[0]| = A exp(i k f). Either may be the cos."""
     for cos, sin in ((rows, other), (other, rows)):
@@ -326,7 +432,8 @@ def _from_late_pair(candidate: _Candidate, rows: torch.Tensor, other: torch.Tens
         shifted = z * first.conj() / first.abs()
         table = torch.cat([shifted.real, shifted.imag], dim=-1).to(rows.dtype)
         source = f"{candidate.source} (positions {int(positions[0])}..{int(positions[-1])}, measured from the first)"
-        applied = _applied(replace(candidate, source=source), table, torch.arange(positions.numel(), device="cpu"))
+        both = (axes[0] + axes[0], axes[1]) if axes is not None else None  # the cos's and the sin's columns
+        applied = _applied(replace(candidate, source=source), table, torch.arange(positions.numel(), device="cpu"), both)
         if applied is not None and applied.part_names == "cos+sin":
             return applied
     return None
@@ -348,23 +455,63 @@ def _first_occurrence(flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return positions, first
 
 
-def _applied(candidate: _Candidate, rows: torch.Tensor, positions: torch.Tensor) -> AppliedTable | None:
+def _applied(candidate: _Candidate, rows: torch.Tensor, positions: torch.Tensor,
+             axes: Axes = None) -> AppliedTable | None:
     found = recognize_rope_table(rows)
     if not isinstance(found, RopeTable):
         return None
     step = _stride(positions) or 1
     # Rows s positions apart encode s times the frequencies: the key names the table's own.
     keyed = found if step == 1 else replace(found, freqs=found.freqs / step, freq_tol=found.freq_tol / step)
+    key = infer_key(keyed, rows)
+    of_column: tuple[int | None, ...] = ()
+    count = 0
+    if axes is not None:
+        every, count = axes
+        of_column = tuple(every[c] for c in _part_columns(len(every), found.layout))
+        key = _axes_key(found, rows, of_column, count)
     return AppliedTable(
         layer=candidate.layer,
         source=candidate.source,
         table=found,
-        key=infer_key(keyed, rows),
+        key=key,
         parts=table_parts(rows.cpu(), found.layout),  # compared with expectations computed on CPU
         positions=positions,
         dtype=rows.dtype,
         angle_dtype=candidate.angle_dtype,
+        axes=of_column,
+        axis_count=count,
     )
+
+
+def _axes_key(found: RopeTable, rows: torch.Tensor, of_column: tuple[int | None, ...], count: int) -> RopeKey:
+    """The key of a table over several axes: theta from one axis's distinct frequencies where every axis rotates
+    by the same ones (a 2-D axial table), else from all of them fastest first (M-RoPE's sections, Pixtral's
+    alternating split of one progression); the dim is the whole table's, and the key names the axes."""
+    columns = [[c for c, a in enumerate(of_column) if a == axis] for axis in range(count)]
+    columns = [c for c in columns if c] or [list(range(len(of_column)))]  # no column of known axis: all of them
+    same = all(len(c) == len(columns[0]) and torch.allclose(found.freqs[c], found.freqs[columns[0]], rtol=1e-4)
+               for c in columns)
+    order: list[int] = []
+    for c in (columns[0] if same else found.freqs.argsort(descending=True).tolist()):
+        if not any(abs(float(found.freqs[c] - found.freqs[k])) <= float(found.freq_tol[c] + found.freq_tol[k])
+                   for k in order):
+            order.append(c)  # a frequency twice in one axis (SAM's pairs, read as halves) counts once
+    picked = replace(found, freqs=found.freqs[order], reliable=found.reliable[order], freq_tol=found.freq_tol[order])
+    return replace(infer_key(picked, rows), dim=2 * found.freqs.numel(), axes=axes_label(of_column, count))
+
+
+def _part_columns(width: int, layout: Layout) -> list[int]:
+    """The columns of a ``width``-wide table that hold its first part's distinct frequencies, in the order
+    :func:`table_parts` gives them."""
+    if layout.arrangement is not Arrangement.COLUMNS:
+        return list(range(width))
+    block = width // len(layout.parts)
+    if layout.repeat is Repeat.HALVES:
+        return list(range(block // 2))
+    if layout.repeat is Repeat.INTERLEAVED:
+        return list(range(0, block, 2))
+    return list(range(block))
 
 
 def table_parts(rows: torch.Tensor, layout: Layout) -> dict[str, torch.Tensor]:

@@ -4,7 +4,8 @@ The decision compares values, not labels: the cos/sin the spec implies at the po
 against the values it applied, within what the table's dtype can hold (:func:`value_tolerance`). Only
 a table that fails is then diagnosed, to name the field a human should look at: the rotary dim, the
 amplitude (YaRN's attention factor), frequencies that are the expected ones rounded to half precision,
-theta, or else the scaling.
+theta, or else the scaling. A table over several position axes (2-D axial, M-RoPE) is judged as the
+rows a 1-D sequence gets, and its columns' axes against the ones the model's recomposition gives.
 """
 
 from __future__ import annotations
@@ -15,11 +16,12 @@ from dataclasses import dataclass
 import torch
 
 from rope_dedup.audit.applied import AppliedTable
+from rope_dedup.tables.axes import axes_label
 from rope_dedup.tables.keys import infer_key
 from rope_dedup.tables.layout import FREQUENCIES
 from rope_dedup.tables.recognize import RopeTable, value_tolerance
 from rope_dedup.core.text import format_table
-from rope_dedup.audit.expectation import Expected, NoRope, candidates
+from rope_dedup.audit.expectation import ConfigSpec, Expected, NoRope, candidates
 from rope_dedup.audit.spec import RopeSpec
 
 MISMATCH_COLUMNS = ("layer", "field", "expected", "found", "worst position")
@@ -77,7 +79,7 @@ def check_table(applied: AppliedTable, spec: RopeSpec) -> list[Mismatch]:
     tolerance = value_tolerance(applied.dtype, amplitude, angles)
     excess, worst, error = _excess(applied, angles, amplitude, amplitude, tolerance)
     if excess <= 0:
-        return []
+        return _axes(applied, spec)
     # The expected frequencies in another order: a model that keeps them pre-permuted for a multimodal
     # layout (Ernie 4.5 VL's inv_freq) applies, and a held vector is measured, fastest first.
     ordered = inv_freq.sort(descending=True).values
@@ -85,8 +87,8 @@ def check_table(applied: AppliedTable, spec: RopeSpec) -> list[Mismatch]:
         ordered_angles = positions[:, None] * ordered
         if _excess(applied, ordered_angles, amplitude, amplitude,
                    value_tolerance(applied.dtype, amplitude, ordered_angles))[0] <= 0:
-            return []
-    mismatches = []
+            return _axes(applied, spec)
+    mismatches = _axes(applied, spec)
     applied_amplitude = applied.table.amplitude
     # Amplitude first, on its own: values rescaled to the expected amplitude then show the frequencies alone.
     if abs(applied_amplitude - amplitude) > float(tolerance.min()):
@@ -96,6 +98,20 @@ def check_table(applied: AppliedTable, spec: RopeSpec) -> list[Mismatch]:
         field, expected, found_text = _diagnose(applied, spec, inv_freq, amplitude, tolerance)
         mismatches.append(Mismatch(layer, field, expected, found_text, worst, error))
     return mismatches
+
+
+def _axes(applied: AppliedTable, spec: RopeSpec) -> list[Mismatch]:
+    """A table over several axes whose columns rotate by other axes than the model's recomposition puts
+    there (height and width swapped, an ``mrope_section`` not followed); a column of unknown axis passes."""
+    if not (applied.axes and isinstance(spec, ConfigSpec)):
+        return []
+    expected = spec.axes(applied.key.dim)
+    if expected is None or len(expected) != len(applied.axes):
+        return []
+    if all(found is None or found == want for found, want in zip(applied.axes, expected)):
+        return []
+    return [Mismatch(applied.layer, "axes", axes_label(expected, spec.axis_count),
+                     axes_label(applied.axes, applied.axis_count), None)]
 
 
 def _excess(applied: AppliedTable, angles: torch.Tensor, expected_amplitude: float, applied_amplitude: float,

@@ -127,20 +127,72 @@ class ConfigSpec(RopeSpec):
     rope_type: str = "default"
     init: Callable | None = field(default=None, compare=False, repr=False)  # transformers' function
     exponent_dim: int | None = None  # without transformers: the dim in theta ** (-2j / dim), odd or not
+    # Tables over several position axes (2-D axial, M-RoPE): the model's own ``recomposition_frequencies``,
+    # which places each axis's frequencies in the applied columns, and the number of axes.
+    recompose: Callable | None = field(default=None, compare=False, repr=False)
+    axis_count: int = 0
 
     def frequencies(self, dim: int, seq_len: int) -> tuple[torch.Tensor, float]:
-        """What transformers' function builds at ``seq_len``; without transformers, the same formulas here."""
+        """What transformers' function builds at ``seq_len``; without transformers, the same formulas here.
+        Over several axes, the frequency of each distinct column of a ``dim``-wide applied table (a held
+        ``inv_freq`` is one axis's vector)."""
         if self.init is None:
             return _frequencies(self.theta, self.exponent_dim or dim, self.scaling,  # type: ignore[arg-type]
                                 self.attention_factor, seq_len)
         inv_freq, attention_factor = _call_init(self.init, self.config, self.layer_type, seq_len)
+        columns = self.columns(inv_freq.numel())
+        if columns is not None and 2 * len(columns[0]) == dim:
+            inv_freq = inv_freq[list(columns[0])]
         return inv_freq.to(torch.float64), float(attention_factor)
+
+    def columns(self, count: int) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+        """(the frequency index, the axis) of each distinct column the model's recomposition makes of
+        ``count`` frequencies per axis; None without one, or when it does not take a probe."""
+        if self.recompose is None or self.axis_count < 2:
+            return None
+        return _recomposed(self.recompose, self.axis_count, count)
+
+    def axes(self, dim: int) -> tuple[int, ...] | None:
+        """The axis of each distinct column of a ``dim``-wide applied table, when the model says it."""
+        if self.init is None:
+            return None
+        inv_freq, _ = _call_init(self.init, self.config, self.layer_type, None)
+        columns = self.columns(inv_freq.numel())
+        return columns[1] if columns is not None and 2 * len(columns[1]) == dim else None
 
     def __str__(self) -> str:
         text = super().__str__()
         if self.scaling is None and self.rope_type != "default":
             text += f" {self.rope_type}"
         return text
+
+
+def _recomposed(recompose: Callable, axes: int, count: int) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """Probe a model's ``recomposition_frequencies`` with values that encode (axis, frequency index) and read
+    back (frequency index, axis) of each distinct column, a repeated half or pair read once, as recognition
+    reads a table. Models put the axis on different dims of ``freq`` ((tokens, axes, n) in vision towers,
+    (axes, batch, seq, n) in M-RoPE, (batch, tokens, axes, n) in Gemma 4's): each is tried."""
+    code = torch.arange(axes * count, dtype=torch.float64, device="cpu").reshape(axes, count) + 1
+    for dims, at in ((3, 1), (4, 0), (4, 2), (3, 0)):
+        shape = [1] * (dims - 1) + [count]
+        shape[at] = axes
+        try:
+            out = recompose(code.reshape(shape))
+        except Exception:  # the model's function indexes another dim: not this shape
+            continue
+        if not isinstance(out, torch.Tensor) or out.numel() != out.shape[-1]:
+            continue
+        codes = out.reshape(-1).to(torch.int64) - 1
+        if bool((codes < 0).any()) or bool((codes >= axes * count).any()) or codes.unique().numel() < 2:
+            continue
+        index, axis = codes % count, codes // count
+        width = index.numel()
+        if width % 2 == 0 and torch.equal(index[: width // 2], index[width // 2:]):
+            index, axis = index[: width // 2], axis[: width // 2]
+        elif width % 2 == 0 and torch.equal(index[0::2], index[1::2]):
+            index, axis = index[0::2], axis[0::2]
+        return tuple(index.tolist()), tuple(axis.tolist())
+    return None
 
 
 def _call_init(init: Callable, config: Any, layer_type: str | None, seq_len: int | None) -> tuple[torch.Tensor, float]:
@@ -180,6 +232,10 @@ class _Reader:
         # is computed with the built-in formulas.
         self.functions = _init_functions() if type(config).__module__.startswith("transformers.") else {}
         self.default_init = _default_init(model, config) if self.functions else None
+        # 2-D vision RoPE ("axial"), which transformers has no init function for: each model's rotary class
+        # computes it, and its recomposition places the height and width frequencies in the columns.
+        self.axial = _rotary(model, config, "compute_axial_rope_parameters", own_only=False) if self.functions else None
+        self.recompose = _rotary(model, config, "recomposition_frequencies", own_only=True) if self.functions else None
 
     def fail(self, message: str) -> None:
         if self.strict:
@@ -224,6 +280,11 @@ class _Reader:
         if rope_type == "mrope":  # 4.x Qwen2-VL: plain RoPE per section
             rope_type = "default"
         init = self.default_init if rope_type == "default" else self.functions.get(rope_type)
+        if rope_type == "axial" and self.axial is not None:
+            init = getattr(type(self.axial), "compute_axial_rope_parameters")
+        if rope_type == "axial" and init is None:
+            self.fail(f"{where}: rope_type 'axial' and no rotary module with compute_axial_rope_parameters")
+            return None
         if init is None and rope_type != "default" and rope_type not in SCALING_TYPES:
             known = ", ".join(("default", *sorted(set(SCALING_TYPES) | set(self.functions))))
             self.fail(f"{where}: rope_type {rope_type!r} is not one the audit knows ({known})")
@@ -241,15 +302,23 @@ class _Reader:
         exponent_dim = int(head_dim * partial) if head_dim else None
         scaling = _scaling(parameters, config, rope_type)
         attention_factor = parameters.get("attention_factor")
+        recompose, axis_count = None, 0
+        sections = parameters.get("mrope_section")
+        if rope_type == "axial" or isinstance(sections, (list, tuple)):
+            owner = self.recompose or (self.axial if rope_type == "axial" else None)
+            recompose = getattr(owner, "recomposition_frequencies", None)
+            axis_count = len(sections) if isinstance(sections, (list, tuple)) else 2
         if init is not None:
             inv_freq, _ = _call_init(init, config, label, None)
-            rotary_dim = 2 * inv_freq.numel()
+            # An axial inv_freq is one axis's: the applied table is wider (ConfigSpec.frequencies).
+            rotary_dim = 2 * inv_freq.numel() if rope_type != "axial" else None
         else:
             if exponent_dim is None:
                 raise SpecError("no head_dim, nor hidden_size and num_attention_heads to derive it")
             rotary_dim = 2 * ((exponent_dim + 1) // 2)  # arange(0, dim, 2): an odd dim rounds up
         return ConfigSpec(theta=theta, rotary_dim=rotary_dim, scaling=scaling, attention_factor=attention_factor,
-                          config=config, layer_type=label, rope_type=rope_type, init=init, exponent_dim=exponent_dim)
+                          config=config, layer_type=label, rope_type=rope_type, init=init, exponent_dim=exponent_dim,
+                          recompose=recompose, axis_count=axis_count)
 
 
 def read_config(model: torch.nn.Module, *, strict: bool = False) -> Judging:
@@ -406,6 +475,14 @@ def _text_stack(model: torch.nn.Module, config: Any) -> tuple[str | None, int]:
             full = f"{prefix}.{path}" if prefix and path else prefix or path
             return full, count
     return None, 0
+
+
+def _rotary(model: torch.nn.Module, config: Any, attribute: str, *, own_only: bool) -> torch.nn.Module | None:
+    """The first module whose class has ``attribute``: one holding ``config`` itself first, else (unless
+    ``own_only``) any."""
+    rotary = [m for m in model.modules() if hasattr(type(m), attribute)]
+    own = [m for m in rotary if getattr(m, "config", None) is config]
+    return next(iter(own if own_only else own + rotary), None)
 
 
 def _default_init(model: torch.nn.Module, config: Any) -> Callable | None:

@@ -94,7 +94,8 @@ class Explanation:
     pattern: str | None = None  # without one: a regular mix of tables (every k-th layer), described
     judged: bool = False  # whether an expectation was given
     static: bool = False  # no forward ran: ``applied`` holds the tables the model holds
-    unmeasured: tuple[tuple[str, str], ...] = ()  # static: RoPE-named tensors in a layout not measured (path, why)
+    # RoPE-named tensors held (static), or cos/sin applied (dry run), in a layout not measured: (path or layer, why)
+    unmeasured: tuple[tuple[str, str], ...] = ()
     recomputed: tuple[str, ...] = ()  # tables share(tables="recompute") replaced: audited as their values
 
     @property
@@ -246,7 +247,8 @@ class Explanation:
             lines.append(f"recomputed where read ({len(self.recomputed)}), audited as the values they read; groups "
                          f"are tables of one frequency vector: {shown}")
         if self.unmeasured:
-            lines.append(f"held but in a layout the audit does not measure ({len(self.unmeasured)}):")
+            lines.append(f"{'held' if self.static else 'applied'} but in a layout the audit does not measure "
+                         f"({len(self.unmeasured)}):")
             lines += [f"  {path}: {why}" for path, why in self.unmeasured]
         return lines
 
@@ -318,9 +320,14 @@ def _audit(model: torch.nn.Module, example_inputs: tuple, example_kwargs: dict, 
             raise RuntimeError("torch.compile traced no graph of this model (it ran eagerly), so there is nothing "
                                "to audit; TORCH_LOGS=graph_breaks,recompiles shows why")
         applied = capture.tables()
+        unmeasured = [(f"{layer}: {source.split(' from ')[0]}", _UNMEASURED) for layer, source in capture.unmeasured]
         capture.release()
-        explanation = _arrange(backend.report_for(model), model, applied, judging, findings=findings)
+        explanation = _arrange(backend.report_for(model), model, applied, judging, findings=findings,
+                               unmeasured=unmeasured)
     return explanation
+
+
+_UNMEASURED = "computed from cos/sin, at rows no whole positions explain"
 
 
 @contextlib.contextmanager
@@ -423,6 +430,8 @@ def _arrange(report: DedupReport, model: torch.nn.Module, applied: list[AppliedT
         not judging.stack or any(map(candidates, judging.stack.values())))
     if expects_rope and not applied and not empty:
         none = "no RoPE table held by the model" if static else "no RoPE table applied"
+        if unmeasured and not static:  # applied, not absent: the audit says it could not read them
+            none = f"RoPE applied that the audit cannot measure ({unmeasured[0][0]}: {unmeasured[0][1]})"
         mismatches[(MODEL, "rope")] = Mismatch(MODEL, "rope", "RoPE applied in attention layers", none, None)
     parameters = {name for name, _ in model.named_parameters(remove_duplicate=False)}
     skipped = tuple(s for s in report.skipped if s.path not in parameters)

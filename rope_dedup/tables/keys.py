@@ -25,7 +25,9 @@ class RopeKey:
     positions (None for a bare ``inv_freq``), of which a cache being filled has written only ``filled``
     so far; ``scaling`` is None for a plain geometric progression
     ``f_j = theta ** (-2j / dim)``, else a signature such as ``linear x4``, ``mscale 1.2`` or
-    ``nonuniform low/8 #a1b2c3`` (llama3, YaRN: high frequencies kept, low ones bent).
+    ``nonuniform low/8 #a1b2c3`` (llama3, YaRN: high frequencies kept, low ones bent). A table over
+    several position axes (2-D axial, M-RoPE) names its columns' ``axes``; its theta is one axis's where
+    every axis rotates by the same frequencies.
     """
 
     theta: float
@@ -36,6 +38,7 @@ class RopeKey:
     layout: Layout
     scaling: MeasuredScaling | None = None
     filled: int | None = None  # a cache being filled: positions written so far, of ``length``
+    axes: str | None = None  # a table over several position axes: its columns' axes (``h8,w8``, ``t16,h24,w24``)
 
     def __str__(self) -> str:
         length = f"filled={self.filled}/{self.length}" if self.filled else f"len={self.length}"
@@ -43,6 +46,8 @@ class RopeKey:
                  str(self.device), self.layout]
         if self.scaling:
             parts.append(self.scaling)
+        if self.axes:
+            parts.append(f"axes={self.axes}")
         return " ".join(parts)
 
 
