@@ -1,7 +1,7 @@
 """Tables over several position axes (rope_dedup/tables/axes.py): each column's axis read from the positions
 the tokens sit at, and the table a 1-D sequence gets rebuilt from them; then the audit of transformers' vision
-towers and multimodal models built tiny (tests/zoo.py): keys with axes, theta and axes findings, and RoPE applied
-at positions the audit cannot read said so."""
+towers and multimodal models built tiny (tests/zoo.py): keys with axes, theta and axes findings, a tower judged
+by its own config, and RoPE applied at positions the audit cannot read said so."""
 
 from __future__ import annotations
 
@@ -163,3 +163,16 @@ def test_rope_applied_at_positions_the_audit_cannot_read_is_said_so() -> None:
     assert finding.found.startswith("RoPE applied that the audit cannot measure (0: computed in 0")
     assert [layer for layer, _ in audit.unmeasured] == ["0: computed in 0", "1: computed in 1"]
     assert "applied but in a layout the audit does not measure (2):" in str(audit)
+
+
+def test_a_tower_inside_a_multimodal_model_is_judged_by_its_own_config() -> None:
+    pytest.importorskip("transformers")
+    import zoo
+
+    tiny = zoo.build("glm4v")  # M-RoPE text with an image span, and the 2-D axial vision tower that reads it
+    assert isinstance(tiny, zoo.Tiny), tiny.reason
+    rotary = tiny.model.visual.rotary_pos_emb
+    count = rotary.inv_freq.numel()
+    rotary.inv_freq.copy_(1.0 / 1e5 ** (torch.arange(count, dtype=torch.float32, device="cpu") / count))
+    found = _findings(tiny)
+    assert [line.split(", found")[0] for line in found] == [f"visual.blocks.{i}: theta: expected 10000" for i in (0, 1)]

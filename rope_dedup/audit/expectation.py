@@ -322,19 +322,48 @@ class _Reader:
 
 
 def read_config(model: torch.nn.Module, *, strict: bool = False) -> Judging:
-    """Per layer, the RoPE ``model.config`` asks for (see the module doc for every form it reads)."""
+    """Per layer, the RoPE ``model.config`` asks for (see the module doc for every form it reads); a vision or
+    audio tower whose own config names RoPE is read as a model of its own, and judges the layers inside it."""
     config = text_config(model)
+    towers = {path: read_config(model.get_submodule(path), strict=strict)
+              for path in _foreign_towers(model, config)
+              if _names_rope(model.get_submodule(path).__dict__.get("config"))}
+    unreadable = [f"{line} (in {path})" for path, tower in towers.items() for line in tower.unreadable]
     reader = _Reader(model, config, strict)
     parameters = reader.parameters()
     if parameters is None:
-        return Judging(lambda layer, source: None, tuple(reader.unreadable))
+        return Judging(_with_towers(towers, lambda layer, source: None), tuple(reader.unreadable + unreadable))
     layers = _ConfigLayers(model, config, reader, parameters)
     stack = {f"{layers.stack_path}.{i}": layers.of_layer(i) for i in range(layers.stack_size)}
     for label in layers.labels if layers.labels else (None,):  # read now, so that every unreadable field is known before judging
         layers.of_label(label, label if layers.by_type else None)
     kinds = {layer: layers.types[i] for i, layer in enumerate(stack)
              if isinstance(layers.types, (list, tuple)) and i < len(layers.types)}
-    return Judging(layers.judge, tuple(reader.unreadable), stack, kinds)
+    return Judging(_with_towers(towers, layers.judge), tuple(reader.unreadable + unreadable), stack, kinds)
+
+
+def _with_towers(towers: Mapping[str, Judging], judge: Judge) -> Judge:
+    """``judge``, except inside a tower read on its own: there the tower's, with paths from the tower."""
+    if not towers:
+        return judge
+
+    def judged(layer: str, source: str | None) -> Expected:
+        for path, tower in towers.items():
+            if layer == path or layer.startswith(path + "."):
+                return tower.judge(layer[len(path) + 1:], source)
+        return judge(layer, source)
+
+    return judged
+
+
+def _names_rope(config: Any) -> bool:
+    """Whether a tower's config names RoPE parameters of its own (a SigLIP tower's absolute positions do not)."""
+    if config is None:
+        return False
+    try:
+        return bool(getattr(config, "rope_parameters", None)) or getattr(config, "rope_theta", None) is not None
+    except Exception:  # a per-layer attribute (transformers 5.24+) raises when read config-wide
+        return False
 
 
 class _ConfigLayers:
