@@ -176,3 +176,22 @@ def test_a_tower_inside_a_multimodal_model_is_judged_by_its_own_config() -> None
     rotary.inv_freq.copy_(1.0 / 1e5 ** (torch.arange(count, dtype=torch.float32, device="cpu") / count))
     found = _findings(tiny)
     assert [line.split(", found")[0] for line in found] == [f"visual.blocks.{i}: theta: expected 10000" for i in (0, 1)]
+
+
+def test_an_image_towers_plain_theta_is_read_as_1d_or_per_axis_of_its_grid() -> None:
+    pytest.importorskip("transformers")
+    import zoo
+
+    tiny = zoo.build("dinov3_vit")  # rope_theta 100, head_dim 64: head_dim/4 frequencies per axis of the grid
+    assert isinstance(tiny, zoo.Tiny), tiny.reason
+    rotary = tiny.model.rope_embeddings
+
+    def static(theta: float, frequencies: int) -> list[str]:
+        exponents = torch.arange(frequencies, dtype=torch.float32, device="cpu") / frequencies
+        rotary.inv_freq = 1.0 / theta ** exponents
+        return zoo.lines(rope_dedup.explain(tiny.model, expect="config"))
+
+    assert static(100.0, 16) == []  # DINOv3's own: 2-D, half the head per axis
+    assert static(100.0, 32) == []  # 1-D over the patches, the whole head
+    assert [line.split(", found")[0] for line in static(1e4, 16)] == ["rope_embeddings: theta: expected 100"]
+    assert [line.split(", found")[0] for line in static(100.0, 8)] == ["rope_embeddings: rotary_dim: expected 64"]

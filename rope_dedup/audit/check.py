@@ -56,14 +56,15 @@ class RopeMismatch(AssertionError):
 def check_expected(applied: AppliedTable, expected: Expected) -> tuple[Expected, list[Mismatch]]:
     """(the expectation the table was judged by, what differs from it). Where several specs are allowed
     (a layer that applies a ``main`` and a ``compress`` table), the table is judged by the one it matches,
-    else by the one it differs from least. A table applied where :class:`NoRope` is expected is one
-    mismatch, field ``rope``."""
+    else by the one it differs from least, one of its own rotary dim first. A table applied where
+    :class:`NoRope` is expected is one mismatch, field ``rope``."""
     if isinstance(expected, NoRope):
         return expected, [Mismatch(applied.layer, "rope", str(expected), f"RoPE applied: {applied.source}", None)]
     judged = [(spec, check_table(applied, spec)) for spec in candidates(expected)]
     if not judged:
         return None, []
-    return min(judged, key=lambda item: len(item[1]))  # the first clean one, if any
+    # The first clean one, if any; else the one of the table's own dim that differs least.
+    return min(judged, key=lambda item: (len(item[1]), any(m.field == "rotary_dim" for m in item[1])))
 
 
 def check_table(applied: AppliedTable, spec: RopeSpec) -> list[Mismatch]:

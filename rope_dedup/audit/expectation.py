@@ -23,7 +23,10 @@ transformers 5 and 4.x ship:
 - ``mrope_section`` (Qwen2-VL): with text-only positions every section sees the same position, so the
   table is the 1-D one;
 - a partial rotary dim ``head_dim * partial_rotary_factor`` that is odd: transformers rounds the
-  frequency count up (``arange(0, dim, 2)``), and so does the expectation.
+  frequency count up (``arange(0, dim, 2)``), and so does the expectation;
+- an image tower's plain theta (a config with ``patch_size`` and the ``default`` type): 1-D RoPE over the
+  patches, or 2-D over their grid, half the rotary dims per axis (DINOv3), since such a config cannot say
+  which: either is accepted (:attr:`ConfigSpec.grid`).
 
 The frequencies of a ``rope_type`` come from transformers itself where it is installed: the model's own
 rotary class's ``compute_default_rope_parameters`` for ``default``, ``ROPE_INIT_FUNCTIONS`` for the
@@ -40,7 +43,7 @@ import copy
 import fnmatch
 import inspect
 import re
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Callable, Mapping, Union
 
 import torch
@@ -131,6 +134,9 @@ class ConfigSpec(RopeSpec):
     # which places each axis's frequencies in the applied columns, and the number of axes.
     recompose: Callable | None = field(default=None, compare=False, repr=False)
     axis_count: int = 0
+    # An image tower's plain theta read as 2-D RoPE over the patch grid: each axis's frequencies span half
+    # the rotary dims (theta ** (-2j / (dim / 2))), a held vector is one axis's.
+    grid: bool = False
 
     def frequencies(self, dim: int, seq_len: int) -> tuple[torch.Tensor, float]:
         """What transformers' function builds at ``seq_len``; without transformers, the same formulas here.
@@ -164,7 +170,21 @@ class ConfigSpec(RopeSpec):
         text = super().__str__()
         if self.scaling is None and self.rope_type != "default":
             text += f" {self.rope_type}"
-        return text
+        return text + " per axis of a 2-D grid" if self.grid else text
+
+
+def _image_grid(config: Any, parameters: Mapping[str, Any], spec: ConfigSpec) -> bool:
+    """Whether a plain theta is an image tower's, whose RoPE may be over the patch grid (DINOv3's): the config
+    has a ``patch_size`` and says nothing of axes or a partial rotary dim."""
+    return (_get(config, "patch_size") is not None and spec.axis_count == 0 and spec.exponent_dim is not None
+            and spec.exponent_dim % 4 == 0 and "partial_rotary_factor" not in parameters
+            and _get(config, "partial_rotary_factor") is None)
+
+
+def _grid(spec: ConfigSpec) -> ConfigSpec:
+    """``spec`` as 2-D RoPE over a patch grid: per axis, the default frequencies of half the rotary dims."""
+    half = spec.exponent_dim // 2  # type: ignore[operator]
+    return replace(spec, rotary_dim=half, init=None, exponent_dim=half, axis_count=2, grid=True)
 
 
 def _recomposed(recompose: Callable, axes: int, count: int) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
@@ -263,7 +283,7 @@ class _Reader:
         return None
 
     def spec(self, parameters: Mapping[str, Any] | None, config: Any, label: str | None,
-             layer: int | str | None = None) -> RopeSpec | None:
+             layer: int | str | None = None) -> Expected:
         """The spec of one ``rope_parameters`` entry read against ``config`` (``per_layer_config[layer]``'s, where
         the config is per layer: a field it cannot read is then said of that layer)."""
         where = f"model.config.rope_parameters[{label!r}]" if label else "model.config.rope_parameters"
@@ -290,10 +310,11 @@ class _Reader:
             self.fail(f"{where}: rope_type {rope_type!r} is not one the audit knows ({known})")
             return None
         try:
-            return self._spec(parameters, config, label, rope_type, init, float(theta))
+            spec = self._spec(parameters, config, label, rope_type, init, float(theta))
         except Exception as error:  # transformers' own function refusing the config names the field
             self.fail(f"{where}: {_reason(error)}")
             return None
+        return (spec, _grid(spec)) if rope_type == "default" and _image_grid(config, parameters, spec) else spec
 
     def _spec(self, parameters: Mapping[str, Any], config: Any, label: str | None, rope_type: str,
               init: Callable | None, theta: float) -> ConfigSpec:
@@ -403,7 +424,7 @@ class _ConfigLayers:
         return self._specs[key]
 
     def every_label(self, where: int | str | None) -> Expected:
-        specs = tuple(s for s in (self.of_label(label, where) for label in self.labels) if isinstance(s, RopeSpec))
+        specs = tuple(s for label in self.labels for s in candidates(self.of_label(label, where)))
         return specs[0] if len(specs) == 1 else specs or None
 
     def with_theta(self, theta: float) -> Expected:
