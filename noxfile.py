@@ -32,7 +32,7 @@ TORCH_RELEASES = ["2.10.0", "2.11.0", "2.12.1", "2.13.0", "2.14.1", "2.15.0"]
 TORCHTITAN = ["torchtitan==0.3.0", "spmd_types==0.2.3"]
 TORCHTITAN_DEPS = ["tyro==1.0.17"]
 PYTEST = ["python", "-m", "pytest", "-n", "2"]
-# Seconds a registry sweep may take before it stops and fails: measured 5-17 min (5.x) and 1-2 min (4.x) on 2
+# Seconds a registry sweep may take before it stops and fails: measured 7-20 min (5.x) and 1-2 min (4.x) on 2
 # shared cores (docs/zoo.md), with room for a slower machine.
 ZOO_BUDGET = "2700"
 # The newest transformers the registry had when the zoo was last swept: the fast suite runs on 5.23.0 (the
@@ -85,7 +85,7 @@ def transformers4(session: nox.Session) -> None:
 @nox.session
 @nox.parametrize("transformers", ZOO_RELEASES)
 def zoo(session: nox.Session, transformers: str) -> None:
-    """Not a default session (1-17 min per release): every RoPE model type of one transformers release built
+    """Not a default session (1-20 min per release): every RoPE model type of one transformers release built
     tiny, through the static audit, the dynamic audit and share(); fails on an exception from rope_dedup,
     audits that disagree, a changed output, an unexplained finding, or a docs/zoo.md table that says otherwise.
     ``nox -s "zoo(transformers='5.25.0')" -- llama gemma3`` sweeps some types; ``-- --write`` rewrites that

@@ -1,4 +1,4 @@
-"""The zoo in the fast suite: twenty RoPE architectures of transformers 5, each built tiny from its
+"""The zoo in the fast suite: twenty-six RoPE architectures of transformers 5, each built tiny from its
 defaults (tests/zoo.py), through the static audit, the dynamic audit and ``share()``.
 
 Each pinned type stands for a config form or a way of applying RoPE (named beside it). For each: it
@@ -41,6 +41,12 @@ PINNED = {
     "gpt_oss": "yarn",
     "apertus": "llama3 scaling",
     "jetmoe": "graph breaks inside the layers",
+    "glm4v": "M-RoPE with an image in the text: 3-D positions, sections judged; a 2-D axial vision tower",
+    "pixtral": "2-D axial, frequencies alternating between the axes; 1-D ids of one axis beside the grid",
+    "gemma4_vision": "2-D axial, each half of the head rotated by one axis",
+    "exaone4_5_vision": "2-D axial rows reordered by window attention",
+    "hunyuan_vl": "4 position axes, the first the token index",
+    "pe_audio_encoder": "audio RoPE applied as 2x2 rotation matrices",
 }
 # Audited one after the other in one process, each must say what it says alone (issue 31: jetmoe after
 # higgs_audio_v2 saw no table applied). More pairs run in the sweep, where every type follows others.
