@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -27,7 +29,20 @@ def run_cases(out_dir: Path, *extra: str) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
-    return run_cases(tmp_path_factory.mktemp("dist"))
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        return run_cases(tmp_path_factory.mktemp("dist"))
+    # Each xdist worker given a test here would start torchrun (48 s on 2 cores, the suite's longest set-up):
+    # the first runs the cases, the other waits and reads its results. The folder is this run's alone.
+    shared = tmp_path_factory.getbasetemp().parent / "distributed"
+    shared.mkdir(exist_ok=True)
+    with open(shared / "lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        done = shared / "done"
+        if done.exists():
+            return [json.loads((shared / f"rank{r}.json").read_text()) for r in range(2)]
+        results = run_cases(shared)
+        done.touch()
+        return results
 
 
 def per_rank(ranks: list[dict], case: str) -> list[dict]:
