@@ -570,3 +570,69 @@ CONFIG_FIXES.update({
     "step3p7": _step3p7_window,
     "glm_image": _glm_image_vq,
 })
+
+
+# -- shrunk configs their own validate_architecture refuses ---------------------------------------------
+
+
+def _molmo2_feature_layers(values: dict, level: str) -> None:
+    """Molmo2's adapter reads ViT layers 24 and 18 of the default tower, which the shrunk one (2 layers) lacks:
+    read its last two."""
+    values["adapter_config"]["vision_feature_layer"] = [-1, -2]
+
+
+def _muse_spark_audio_out(values: dict, level: str) -> None:
+    """Muse Spark scatters its audio encoder's output onto the text embeddings: its out_hidden_size is the text
+    width (the vision tower's too)."""
+    values["audio_config"]["out_hidden_size"] = values["text_config"]["hidden_size"]
+    _vision_out_to_text(values)
+
+
+def _dots3_note_adapter(values: dict, level: str) -> None:
+    """Dots3's vision and audio adapters map their tower's hidden states onto the text embeddings: in, the
+    (shrunk) tower width; out, the text width."""
+    for tower, into in (("vision_config", "adapter_in_dim"), ("audio_config", "adapter_input_size")):
+        values[tower][into] = values[tower]["hidden_size"]
+        values[tower]["adapter_out_dim"] = values["text_config"]["hidden_size"]
+
+
+def _apertus1p5_vocabulary(values: dict, level: str) -> None:
+    """Apertus 1.5 embeds image and audio codes as text tokens: image codes from image_token_offset, audio codes
+    right after them, all within the text vocabulary, which a 256-token vocabulary does not reach (nor keeps
+    small at the default offsets, 262k). Put 64 codes of each after the 256 text tokens."""
+    values["vision_config"]["codebook_size"] = values["audio_config"]["codebook_size"] = 64
+    values["image_token_offset"], values["audio_token_offset"] = 256, 320
+    values["text_config"]["vocab_size"] = 384
+    # Its VQ image tokenizer is a convolutional encoder of 256 base channels (182M parameters): 32 and one
+    # residual block per stage keep it within the sweep's size; it holds no RoPE.
+    values["vision_config"]["base_channels"], values["vision_config"]["num_res_blocks"] = 32, 1
+
+
+def _dory_segments(values: dict, level: str) -> None:
+    """Dory splits its layers into input, recurrent and output segments that must add up to the layer count,
+    and its serialized config lists each layer as an (attention, "mlp") pair that loading halves
+    (dory/configuration_dory.py), which zoo's shrink does not keep: three layers, one per segment, in pairs."""
+    kinds = ["sliding_attention", "sliding_attention", "full_attention"]
+    values["layer_types"] = [block for kind in kinds for block in (kind, "mlp")]
+    values["num_hidden_layers"] = 2 * len(kinds)
+    values["n_input_layers"] = values["n_recurrent_layers"] = values["n_output_layers"] = 2
+
+
+def _kolibri_indexed_layers(values: dict, level: str) -> None:
+    """Kolibri 1.1's index_layers, kv_source_layers and mlp_only_layers index the 30 default layers: let the
+    config derive them again from the kept layer_types. Its indexer's 12 heads must fit in the query heads
+    that share a key head (2 once shrunk)."""
+    for key in ("index_layers", "kv_source_layers", "mlp_only_layers"):
+        values.pop(key, None)
+    values["index_num_heads"] = values["num_attention_heads"] // values["num_key_value_heads"]
+
+
+CONFIG_FIXES.update({
+    "molmo2": _molmo2_feature_layers,
+    "muse_spark": _muse_spark_audio_out,
+    "dots3_note": _dots3_note_adapter,
+    "apertus1p5": _apertus1p5_vocabulary,
+    "dory": _dory_segments,
+    "kolibri1_1": _kolibri_indexed_layers,
+    "llava_onevision1_5": lambda values, level: _vision_out_to_text(values),
+})
