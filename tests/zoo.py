@@ -472,6 +472,10 @@ _ROPE_OFF_ON_GLOBAL_LAYERS = (
     "layers use no position encoding, while rope_parameters gives no layer type a None entry")
 _ROPE_OFF = r"^\S+: rope: expected .* \(layer type full_attention\), found no RoPE table applied, though"
 
+# The dynamic audit's finding for RoPE applied at positions it cannot read (it says so, and judges nothing).
+_UNMEASURED = (r"^\(model\): rope: expected RoPE applied in attention layers, found RoPE applied that the audit "
+               r"cannot measure .*$")
+
 EXPLAINED_5: dict[str, Explained] = {
     **{model_type: Explained(_ROPE_OFF, _ROPE_OFF_ON_GLOBAL_LAYERS.format(code=code)) for model_type, code in {
         "cohere2": "`if self.sliding_window is not None: apply_rotary_pos_emb(...)`",
@@ -496,15 +500,13 @@ EXPLAINED_5: dict[str, Explained] = {
         "true: the default config says `use_mem_rope=False`, so the shared attention block builds no rotary "
         "module, while the config carries rope_parameters"),
     **{model_type: Explained(
-        r"^\(model\): rope: expected RoPE applied in attention layers, found RoPE applied that the audit cannot "
-        r"measure .*$",
+        _UNMEASURED,
         "not judged: DINOv3's RoPE rotates patch-centre coordinates in [-1, 1], not whole positions; the "
         "dynamic audit says it cannot measure the tables applied (the static audit judges the held frequencies: "
         "theta and half the head per axis of the patch grid)")
        for model_type in ("dinov3_vit", "sapiens2")},
     "efficientloftr": Explained(
-        r"^\(model\): rope: expected RoPE applied in attention layers, found RoPE applied that the audit cannot "
-        r"measure .*$",
+        _UNMEASURED,
         "not judged: EfficientLoFTR builds its 2-D positions inside the graph as two float grids counted from 1 "
         "(`ones(h, w).cumsum(0)`, `.cumsum(1)`), 2x2 in the tiny model, which the dynamic audit does not take "
         "for positions: it says it cannot measure the tables its coarse attention layers apply"),

@@ -493,10 +493,11 @@ def _glm4v_rope(values: dict, level: str) -> None:
     _vision_out_to_text(values)
 
 
-def _vision_out_to_text(values: dict) -> None:
-    """The vision tower's out_hidden_size is the text width (zoo's shrink narrows the text only)."""
-    if "vision_config" in values and "text_config" in values and "out_hidden_size" in values["vision_config"]:
-        values["vision_config"]["out_hidden_size"] = values["text_config"]["hidden_size"]
+def _vision_out_to_text(values: dict, towers: tuple[str, ...] = ("vision_config",)) -> None:
+    """Each tower's out_hidden_size is the text width (zoo's shrink narrows the text only)."""
+    for tower in towers:
+        if tower in values and "text_config" in values and "out_hidden_size" in values[tower]:
+            values[tower]["out_hidden_size"] = values["text_config"]["hidden_size"]
 
 
 def _glm4v_moe_rope(values: dict, level: str) -> None:
@@ -584,8 +585,7 @@ def _molmo2_feature_layers(values: dict, level: str) -> None:
 def _muse_spark_audio_out(values: dict, level: str) -> None:
     """Muse Spark scatters its audio encoder's output onto the text embeddings: its out_hidden_size is the text
     width (the vision tower's too)."""
-    values["audio_config"]["out_hidden_size"] = values["text_config"]["hidden_size"]
-    _vision_out_to_text(values)
+    _vision_out_to_text(values, ("audio_config", "vision_config"))
 
 
 def _dots3_note_adapter(values: dict, level: str) -> None:
