@@ -15,21 +15,22 @@ import torch
 import torch.fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from rope_dedup.recompute.recipe import Recipe
+from rope_dedup.recompute.recipe import Recipe, check_positions
 
 aten = torch.ops.aten
 
 
 def recompute_reads(gm: torch.fx.GraphModule, table: torch.fx.Node, vector: torch.fx.Node,
-                    recipe: Recipe) -> str | None:
+                    recipe: Recipe, label: str | None = None) -> str | None:
     """Rewrite each read of ``table`` into rows computed from ``vector`` (an input holding ``recipe.inv_freq``,
-    its ``meta["val"]`` a fake tensor of the program's fake mode, as the position inputs' are).
+    its ``meta["val"]`` a fake tensor of the program's fake mode, as the position inputs' are). A read by
+    positions asserts them inside the table, as indexing the table would (``label`` names it in the message).
 
     Returns None once every read is rewritten (``table`` is then unused), else why not, the graph unchanged.
     The caller lints and recompiles."""
     plans = []
     for use in list(table.users):
-        plan = _plan(use, recipe)
+        plan = _plan(use, recipe, label or table.name)
         if isinstance(plan, str):
             return f"{use.name} ({use.target}) {plan}"
         plans.append((use, plan))
@@ -45,7 +46,8 @@ def recompute_reads(gm: torch.fx.GraphModule, table: torch.fx.Node, vector: torc
     return None
 
 
-def _plan(use: torch.fx.Node, recipe: Recipe) -> tuple[Callable[..., torch.Tensor], list[torch.fx.Node]] | str:
+def _plan(use: torch.fx.Node, recipe: Recipe, label: str
+          ) -> tuple[Callable[..., torch.Tensor], list[torch.fx.Node]] | str:
     """How to compute what ``use`` reads: (a function of the vector and the position inputs, those inputs)."""
     dim_count = len(recipe.shape)
     args: list[Any] = list(use.args) + [None] * 4
@@ -70,22 +72,27 @@ def _plan(use: torch.fx.Node, recipe: Recipe) -> tuple[Callable[..., torch.Tenso
         indices = args[1]
         if len(indices) != recipe.pos_dim + 1 or any(i is not None for i in indices[:recipe.pos_dim]):
             return "indexes dims other than the positions"
-        return _at_positions(recipe, indices[recipe.pos_dim])
+        return _at_positions(recipe, indices[recipe.pos_dim], "index", label)
     if use.target is aten.index_select.default:
         if args[1] % dim_count != recipe.pos_dim:
             return "selects along another dim"
-        return _at_positions(recipe, args[2])
+        return _at_positions(recipe, args[2], "index_select", label)
     if use.target is aten.embedding.default and dim_count == 2 and recipe.pos_dim == 0:
-        return _at_positions(recipe, args[1])
+        return _at_positions(recipe, args[1], "embedding", label)
     return "reads the whole table: it keeps its input"
 
 
-def _at_positions(recipe: Recipe, positions: Any) -> tuple[Callable[..., torch.Tensor], list[torch.fx.Node]] | str:
+def _at_positions(recipe: Recipe, positions: Any, op: str, label: str
+                  ) -> tuple[Callable[..., torch.Tensor], list[torch.fx.Node]] | str:
     value = positions.meta.get("val") if isinstance(positions, torch.fx.Node) else None
     if not isinstance(value, torch.Tensor) or value.dtype not in (torch.int64, torch.int32) \
             or not all(isinstance(s, int) for s in value.shape):
         return "indexes with positions that are not an integer tensor of a static shape"
-    # A negative position counts from the end, as indexing the table would.
-    return (lambda v, p: recipe.with_inv_freq(v).rows_in_place(
-        torch.where(p < 0, p + recipe.length, p).to(torch.int64))), [positions]
+
+    def rows(v: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+        p = check_positions(p.to(torch.int64), recipe.length, recipe.pos_dim, op, label)
+        # A negative position counts from the end, where indexing the table lets it.
+        return recipe.with_inv_freq(v).rows_in_place(torch.where(p < 0, p + recipe.length, p))
+
+    return rows, [positions]
 

@@ -150,7 +150,7 @@ def _recompute(gm: torch.fx.GraphModule, placeholders: dict[str, torch.fx.Node],
                 vector = gm.graph.placeholder("c_" + f"{spec.target}_inv_freq".replace(".", "_"))
             vector.meta["val"] = _fake_like(node, table.inv_freq)
         assert vector is not None
-        why = recompute_reads(gm, node, vector, table.recipe)
+        why = recompute_reads(gm, node, vector, table.recipe, done.path)
         if why is not None:
             if new:
                 gm.graph.erase_node(vector)

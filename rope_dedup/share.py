@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import weakref
 from typing import Any
 
 import torch
@@ -30,7 +31,7 @@ from rope_dedup.core.report import DedupReport, Recomputed, Skip
 from rope_dedup.tensors import Origin, module_state
 from rope_dedup.core.store import Action, CanonicalStore, Plan
 from rope_dedup.recompute import RecomputedTable, recompute_tables
-from rope_dedup.recompute.convert import Converter, keep_values_in_state_dict
+from rope_dedup.recompute.convert import BuilderWrites, Converter, keep_values_in_state_dict
 
 _SETTINGS = ("share_persistent", "dry_run", "release_memory")
 
@@ -144,7 +145,8 @@ class sharing:  # noqa: N801 (used as a context manager, like torch.no_grad)
         # tables="recompute": each table a recipe reproduces is replaced as it registers. The converter holds
         # the first table of each key until the block ends, so the build holds one table per key at most.
         self._converter = Converter() if tables == "recompute" else None
-        self._recomputed: list[Recomputed] = []
+        self._builder_writes = BuilderWrites() if tables == "recompute" else None
+        self._recomputed: list[tuple[Recomputed, weakref.ref]] = []  # and the table, to see if written since
         self._not_exact: list[Skip] = []
         self._vector_bytes = 0
         self._handle = None
@@ -160,6 +162,8 @@ class sharing:  # noqa: N801 (used as a context manager, like torch.no_grad)
             sharing._active, self._used = self, True
         # torch's hint says the hook returns None; register_buffer uses a returned tensor in the buffer's place.
         self._handle = register_module_buffer_registration_hook(self._registered)  # type: ignore[assignment, arg-type]
+        if self._builder_writes is not None:
+            self._builder_writes.__enter__()
         return self
 
     def __exit__(self, *exc_info: Any) -> None:
@@ -167,6 +171,8 @@ class sharing:  # noqa: N801 (used as a context manager, like torch.no_grad)
             raise RuntimeError("sharing() block exited without being active")
         self._handle.remove()
         self._handle = None
+        if self._builder_writes is not None:
+            self._builder_writes.__exit__(*exc_info)
         with sharing._active_lock:
             sharing._active = None
         self._settle_persistence()
@@ -185,8 +191,10 @@ class sharing:  # noqa: N801 (used as a context manager, like torch.no_grad)
         persistent = known and name not in module._non_persistent_buffers_set
         if self._converter is not None and not self.store.dry_run and not isinstance(tensor, RecomputedTable):
             replacement, recomputed, refusal = self._converter.convert(tensor, label)
-            if replacement is not None and recomputed is not None:
-                self._recomputed.append(recomputed)
+            if replacement is not None:
+                if recomputed is not None:  # else converted at an earlier registration: one table, two holders
+                    self._recomputed.append((recomputed, weakref.ref(replacement)))
+                    self._builder_writes.watch(tensor, replacement)  # type: ignore[union-attr]
                 keep_values_in_state_dict(module)  # persistence is set after this hook: keep the values either way
                 return replacement
             if refusal is not None and refusal.reason is SkipReason.NOT_EXACT:
@@ -225,8 +233,16 @@ class sharing:  # noqa: N801 (used as a context manager, like torch.no_grad)
         if not self._recomputed and not self._not_exact:
             return report
         held = self._converter.vector_bytes if self._converter is not None else self._vector_bytes
-        return dataclasses.replace(report, recomputed=list(self._recomputed), recomputed_bytes=held,
-                                   skipped=report.skipped + self._not_exact)
+        recomputed, written = [], []
+        for done, table in self._recomputed:
+            alive = table()
+            if alive is None or alive.is_recomputed:
+                recomputed.append(done)
+            else:
+                written.append(Skip(done.path, Refusal(SkipReason.NOT_EXACT, f"written by {alive.state.written_by} "
+                                                                             f"after it was recomputed")))
+        return dataclasses.replace(report, recomputed=recomputed, recomputed_bytes=held,
+                                   skipped=report.skipped + self._not_exact + written)
 
     def report_for(self, model: torch.nn.Module) -> DedupReport:
         """The report with full paths in ``model``, and its plain tensor attributes, which the hook cannot see,

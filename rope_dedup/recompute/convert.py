@@ -9,19 +9,22 @@ share it instead. A persistent table stays in the ``state_dict`` under its key, 
 from __future__ import annotations
 
 import contextlib
+import threading
 import weakref
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.weak import WeakIdKeyDictionary
 
 from rope_dedup.core.eligibility import Refusal, SkipReason, why_not_shareable
 from rope_dedup.core.report import Recomputed
 from rope_dedup.recompute.recipe import CHUNK_ROWS, Recipe, find_recipe
-from rope_dedup.recompute.table import RecomputedTable, _context, _State
+from rope_dedup.recompute.table import RecomputedTable, _context, _State, written_arguments
 from rope_dedup.tables.keys import RopeKey, infer_key
 from rope_dedup.tables.recognize import RopeTable, recognize_rope_table
-from rope_dedup.tensors import Origin, is_dtensor, local, module_state, same_values, storage_nbytes
+from rope_dedup.tensors import Origin, is_dtensor, is_plain, local, module_state, same_values, storage_nbytes
 
 
 @dataclass
@@ -42,10 +45,20 @@ class Converter:
     def __init__(self) -> None:
         self._vectors: dict[tuple, torch.Tensor] = {}
         self._by_storage: dict[tuple, tuple[Recipe, torch.Tensor, RopeKey]] = {}
+        self._states: dict[tuple, _State] = {}  # where a converted table's values lived -> its memory (see below)
+        self._made: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensor -> its replacement
 
     def convert(self, tensor: torch.Tensor, path: str, origin: Origin = Origin.BUFFER
                 ) -> tuple[RecomputedTable | None, Recomputed | None, Refusal | None]:
-        """(its replacement, what was recomputed, why not): all None when ``tensor`` is not a RoPE table."""
+        """(its replacement, what was recomputed, why not): all None when ``tensor`` is not a RoPE table, and only
+        the replacement when ``tensor`` was converted before.
+
+        One tensor gets one replacement however often it is offered (held by two modules), and tensors that are
+        one view of one memory (tables shared before) get replacements that are one memory too: a write to one
+        shows in the others, as it did."""
+        made = self._made.get(tensor)
+        if made is not None:  # offered again (registered in a second module): counted once, where first seen
+            return made, None, None
         refusal = _refusal(tensor, origin)
         where = (tensor.device, tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape),
                  tuple(tensor.stride()), tensor.dtype) if refusal is None else None
@@ -67,12 +80,19 @@ class Converter:
                 # Kept by its address only while held here: a freed table's address may come back for another.
                 known = self._by_storage[where] = (self._one_vector(searched), tensor, key)
         recipe, _, key = known
-        return RecomputedTable(recipe, _State(path, key=key)), Recomputed(path, key, storage_nbytes(tensor)), None
+        state = self._states.get(where) if where in self._by_storage else None
+        if state is None:
+            state = _State(path, recipe, key)
+            if where in self._by_storage:
+                self._states[where] = state
+        replacement = self._made[tensor] = RecomputedTable(recipe, state)
+        return replacement, Recomputed(path, key, storage_nbytes(tensor)), None
 
     def forget_tables(self) -> None:
         """Let go of the tables kept for comparison (a backend keeps its converter, and its vectors, across
         compiles: not the tables it replaced)."""
         self._by_storage.clear()
+        self._states.clear()
 
     @property
     def vector_bytes(self) -> int:
@@ -100,6 +120,42 @@ class Converter:
         return recipe
 
 
+class BuilderWrites(TorchDispatchMode):
+    """While ``sharing(tables="recompute")`` builds a model: the tensors replaced as they registered are still
+    the builder's (``c = ...; self.register_buffer("cos", c); c.mul_(s)``), and torch would have written the
+    buffer itself. A write to one (or to a view of its memory) makes it the recomputed table's storage, with its
+    values. A dispatch mode of the building thread: it passes every op through and looks at in-place ones."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._watched: dict[tuple, tuple[weakref.ref, weakref.ref]] = {}  # memory -> (tensor, its replacement)
+        self._lock = threading.Lock()
+
+    def watch(self, tensor: torch.Tensor, replacement: RecomputedTable) -> None:
+        with self._lock:
+            self._watched[_memory(tensor)] = (weakref.ref(tensor), weakref.ref(replacement))
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if self._watched and func._schema.is_mutable:
+            for arg in written_arguments(func, args, kwargs):
+                if type(arg) is torch.Tensor and arg.layout == torch.strided and not arg.is_meta and \
+                        _memory(arg) in self._watched:
+                    self._adopt(_memory(arg))
+        return out
+
+    def _adopt(self, memory: tuple) -> None:
+        with self._lock:
+            tensor, replacement = (ref() for ref in self._watched.pop(memory))
+        if tensor is not None and replacement is not None and _memory(tensor) == memory:
+            replacement.state.adopt(tensor, "its builder's own reference")
+
+
+def _memory(tensor: torch.Tensor) -> tuple:
+    return tensor.device, tensor.untyped_storage().data_ptr()
+
+
 def recompute_tables(*models: torch.nn.Module, dry_run: bool = False, converter: Converter | None = None,
                      keep: Callable[[torch.nn.Module, str, torch.Tensor], Refusal | None] | None = None
                      ) -> Conversion:
@@ -110,10 +166,11 @@ def recompute_tables(*models: torch.nn.Module, dry_run: bool = False, converter:
     done: list[Recomputed] = []
     kept: list[tuple[str, Refusal]] = []
     replaced: dict[int, RecomputedTable] = {}
-    puts: list[tuple[torch.nn.Module, str, RecomputedTable, bool]] = []
+    originals: list[torch.Tensor] = []
     converter = converter if converter is not None else Converter()
+    overlapping = _other_views(*models)
     for model in models:
-        for path, tensor, origin, persistent, module in module_state(model):
+        for path, tensor, origin, _, module in module_state(model):
             if isinstance(tensor, RecomputedTable):
                 if not tensor.is_recomputed:
                     kept.append((path, Refusal(SkipReason.NOT_EXACT, f"written in place by {tensor.state.written_by} "
@@ -122,7 +179,10 @@ def recompute_tables(*models: torch.nn.Module, dry_run: bool = False, converter:
                     done.append(Recomputed(path, tensor.state.key, tensor.nbytes))
                 continue
             replacement, recomputed, refusal = converter.convert(tensor, path, origin)
-            if replacement is not None and keep is not None:
+            if replacement is not None and id(tensor) in overlapping:
+                refusal = Refusal(SkipReason.NOT_EXACT, f"another view of the memory of {overlapping[id(tensor)]}: "
+                                                        f"recomputed apart, a write to one would miss the other")
+            if replacement is not None and refusal is None and keep is not None:
                 refusal = keep(module, path.rpartition(".")[2], tensor)
             if refusal is not None:
                 kept.append((path, refusal))
@@ -131,11 +191,30 @@ def recompute_tables(*models: torch.nn.Module, dry_run: bool = False, converter:
                 continue
             done.append(recomputed)
             if not dry_run:
-                puts.append((module, path.rpartition(".")[2], replacement, persistent))
                 replaced[id(tensor)] = replacement
-    for module, name, replacement, persistent in puts:  # all at once: a search that fails changes nothing
-        put_table(module, name, replacement, persistent)
+                originals.append(tensor)  # alive until every holder is replaced: its id stays its own
+    # All at once (a search that fails changes nothing), and in every place that holds the table: holders of one
+    # tensor keep holding one tensor.
+    for module, name, tensor, persistent in holders(*models):
+        if id(tensor) in replaced:
+            put_table(module, name, replaced[id(tensor)], persistent)
     return Conversion(done, kept, vector_bytes(*models), replaced)
+
+
+def _other_views(*models: torch.nn.Module) -> dict[int, str]:
+    """id(tensor) -> the path of another tensor of ``models`` that views the same memory in another way (a cache
+    and a slice of it, held apart): tables that alias so cannot be recomputed apart."""
+    views: dict[tuple, dict[tuple, str]] = {}
+    tensors = []
+    for model in models:
+        for path, tensor, _, _, _ in module_state(model):
+            if is_plain(tensor) and not tensor.is_meta and tensor.untyped_storage().data_ptr():
+                memory = (tensor.device, tensor.untyped_storage().data_ptr())
+                view = (tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype)
+                views.setdefault(memory, {}).setdefault(view, path)
+                tensors.append((tensor, memory, view))
+    return {id(tensor): next(p for v, p in views[memory].items() if v != view)
+            for tensor, memory, view in tensors if len(views[memory]) > 1}
 
 
 def put_table(module: torch.nn.Module, name: str, table: RecomputedTable, persistent: bool) -> None:
@@ -173,21 +252,37 @@ def _refusal(tensor: torch.Tensor, origin: Origin) -> Refusal | None:
 
 
 def _values_in_state_dict(module: torch.nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
-    """A checkpoint holds a recomputed table's values, not the recipe: it loads anywhere, as before."""
+    """A checkpoint holds a recomputed table's values, not the recipe: it loads anywhere, as before. The entry is
+    the table's memory, as torch's is (:meth:`RecomputedTable.state_dict_entry`); ``keep_vars=True`` keeps the
+    table itself."""
     for name, buffer in module._buffers.items():
         key = prefix + name
-        if isinstance(buffer, RecomputedTable) and key in state_dict:
-            state_dict[key] = buffer.values()
+        if isinstance(buffer, RecomputedTable) and key in state_dict and state_dict[key] is not buffer:
+            state_dict[key] = buffer.state_dict_entry()
 
 
 def restore_values(model: torch.nn.Module) -> list[str]:
-    """Put back a plain tensor holding its values in place of each recomputed table of ``model``; the paths."""
-    paths = []
-    for path, tensor, _, _, module in module_state(model):
+    """Put back a plain tensor holding its values in place of each recomputed table of ``model`` (one tensor
+    for every holder of one table); the paths."""
+    paths = [path for path, t, _, _, _ in module_state(model) if isinstance(t, RecomputedTable)]
+    plain: dict[int, torch.Tensor] = {}
+    for module, name, tensor, _ in holders(model):
         if isinstance(tensor, RecomputedTable):
-            _put(module, path.rpartition(".")[2], tensor.values())
-            paths.append(path)
+            _put(module, name, plain.setdefault(id(tensor), tensor.values()))
     return paths
+
+
+def holders(*models: torch.nn.Module) -> Iterator[tuple[torch.nn.Module, str, torch.Tensor, bool]]:
+    """(module, name, tensor, persistent) for every buffer and plain tensor attribute of ``models``, in every place
+    that holds it (a tensor two modules hold comes twice)."""
+    for model in models:
+        for module in model.modules():
+            for name, tensor in list(module._buffers.items()):
+                if tensor is not None:
+                    yield module, name, tensor, name not in module._non_persistent_buffers_set
+            for name, tensor in list(vars(module).items()):
+                if isinstance(tensor, torch.Tensor):
+                    yield module, name, tensor, False
 
 
 @contextlib.contextmanager
@@ -196,20 +291,21 @@ def values_in_place(*models: torch.nn.Module) -> Iterator[list[str]]:
     judges a recomputed table as its values), one tensor for the tables of one recipe, as one storage would
     hold them if they were shared. Yields their paths; the tables are put back however the block ends."""
     swapped: list[tuple[torch.nn.Module, str, RecomputedTable]] = []
-    paths: list[str] = []
     made: dict[tuple, torch.Tensor] = {}
+    paths: list[str] = []
     try:
         for model in models:
-            for path, tensor, _, _, module in module_state(model):
+            paths += [path for path, t, _, _, _ in module_state(model) if isinstance(t, RecomputedTable)]
+            for module, name, tensor, _ in holders(model):
                 if not isinstance(tensor, RecomputedTable):
                     continue
                 ident = (tensor.inv_freq.device, tensor.inv_freq.untyped_storage().data_ptr(),
-                         _context(tensor.recipe, False)) if tensor.is_recomputed else (id(tensor.state),)
+                         _context(tensor.recipe)) if tensor.is_recomputed and tensor.recipe is not None \
+                    else (id(tensor),)
                 if ident not in made:
                     made[ident] = tensor.values()
-                swapped.append((module, path.rpartition(".")[2], tensor))
-                paths.append(path)
-                _put(module, path.rpartition(".")[2], made[ident].detach())  # its own tensor, one storage
+                swapped.append((module, name, tensor))
+                _put(module, name, made[ident].detach())  # its own tensor, one storage
         yield paths
     finally:
         for module, name, table in reversed(swapped):

@@ -16,6 +16,8 @@ from functools import cached_property
 from typing import Iterator, Sequence
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
+from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
 from rope_dedup.tables.layout import Arrangement, Part, Repeat
 from rope_dedup.tables.recognize import RopeTable
@@ -118,6 +120,33 @@ class Recipe:
 def position_dim(shape: Sequence[int]) -> int | None:
     """The dim that counts positions: the first one longer than 1 (recognition squeezes the others away)."""
     return next((d for d, size in enumerate(shape) if size > 1), None)
+
+
+# How each read checks its positions, as torch checks them: (lowest position allowed, IndexError message).
+_BOUNDS = {
+    "index": (True, "index {p} is out of bounds for dimension {dim} with size {length}"),
+    "index_select": (False, "index out of range in self"),
+    "embedding": (False, "index out of range in self"),
+}
+
+
+def check_positions(positions: torch.Tensor, length: int, dim: int, op: str, table: str) -> torch.Tensor:
+    """``positions`` (int64), once checked against a table of ``length`` positions as torch checks ``op``'s
+    indices: ``IndexError`` in eager on the CPU; elsewhere, and in a graph being traced (compiled or exported), an
+    assert in the graph (``_assert_async``, which inductor keeps), as torch's own kernels assert on a device."""
+    negative, message = _BOUNDS[op]
+    low = -length if negative else 0
+    where = f" (rope_dedup: recomputed table {table}, {length} positions)"
+    tracing = is_fake(positions) or get_proxy_mode() is not None
+    if not tracing and positions.device.type == "cpu":
+        if positions.numel():
+            bad = positions[(positions < low) | (positions >= length)]
+            if bad.numel():
+                raise IndexError(message.format(p=int(bad[0]), dim=dim, length=length) + where)
+        return positions
+    inside = ((positions >= low) & (positions < length)).all()
+    torch._assert_async(inside, f"a position is outside [{low}, {length}) of a RoPE table read by {op}" + where)
+    return positions
 
 
 def row_chunks(recipe: Recipe, device: torch.device) -> Iterator[tuple[slice, torch.Tensor]]:

@@ -1,162 +1,384 @@
 """A RoPE table that holds no table: a tensor subclass whose reads compute the rows they read.
 
 A wrapper subclass (``_make_wrapper_subclass``) with the table's shape and dtype, holding only the float32
-frequency vector of its :class:`~rope_dedup.recompute.recipe.Recipe`. Its ops are a table, one function per
-op, as torchao's quantized tensors keep them: reads of rows (slice, select, advanced indexing, index_select,
-embedding) compute those rows; views that only add or drop unit dims, ``detach`` and ``clone`` stay
-recomputed; a dtype cast stays recomputed (the rows are cast on the way out). Any other op on the whole table
-computes the whole table for that op only, with a warning naming table and op, counted on the table.
+frequency vector of its :class:`~rope_dedup.recompute.recipe.Recipe`. It behaves as the plain table it
+replaces, or raises an error that says so. The rule:
 
-A write (any op whose schema writes an argument that is this table) first computes the table into a storage
-of its own, then writes there; from then on every op reads that storage, as an ordinary table would.
-``__tensor_flatten__`` makes it traceable, so ``torch.compile`` folds a read into the graph as the computation
-of the rows read. The flatten context holds only what is equal across layers with equal recipes (no name),
-so a regional compile does not recompile per layer.
+- **Exact reads, computed.** Rows (slice, select and narrow along the positions; a position tensor,
+  ``index_select``, ``embedding``, each checked against the table's length as torch checks it), casts (a new
+  dtype; a move to a device that computes the same bits), views that only add or drop unit dims, ``detach``,
+  ``clone``. One function per op, in a table (``_OPS``), as torchao's quantized tensors keep theirs.
+- **Any other op does what torch does to the plain table, with torch's aliasing.** An op that returns new values
+  computes the values it reads (on the whole table: a warning, counted in ``whole_reads``). A view is a view
+  (:class:`RecomputedTable` too, with torch's shape, strides, offset, conj and neg bits): its values are computed
+  when it is made, and a write through it lands in the table.
+- **A write materializes.** An op that writes a table or any view of it (in place, ``out=``, ``set_``,
+  ``.data =``, a metadata change such as ``t_`` or ``resize_``) first gives the table a storage holding its
+  values, then writes there, with a warning; from then on every view of it reads that storage, as views of a
+  plain table do. A compiled graph cannot do that: it refuses at compile time, naming the op.
+
+Views keep the ops that made them (``steps``), so once the table holds a storage each replays them on it.
+``__tensor_flatten__`` makes it traceable: ``torch.compile`` folds a read into the graph as the computation of
+the rows read. The flatten context holds only what is equal across layers with equal recipes (no name), so a
+regional compile does not recompile per layer.
 """
 
 from __future__ import annotations
 
 import copy
 import hashlib
+import threading
 import warnings
+import weakref
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 import torch
 from torch._subclasses.fake_tensor import is_fake
 from torch.fx.experimental.proxy_tensor import get_proxy_mode
+from torch.utils._mode_utils import no_dispatch
+from torch.utils._python_dispatch import get_alias_info, return_and_correct_aliasing
 from torch.utils._pytree import tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
 from rope_dedup.core.eligibility import NO_TABLE
 
-from rope_dedup.recompute.recipe import Recipe, position_dim, reproduces, row_chunks
+from rope_dedup.recompute.recipe import Recipe, check_positions, position_dim, reproduces, row_chunks
 from rope_dedup.tables.keys import RopeKey
 from rope_dedup.tensors import same_values
 
 aten = torch.ops.aten
 
+UNSHARE = ("call rope_dedup.unshare(model) first (each table becomes a plain tensor holding its values), or "
+           "build with tables=\"share\"")
+
 
 @dataclass(eq=False)
 class _State:
-    """What aliases of one table share: its name, its storage once written, and what was computed whole."""
+    """One table's memory, shared by every view of it: how its values are computed, and ``materialized``, the
+    storage that holds them once something needed one (a write, ``numpy()``, a written ``state_dict`` entry)."""
 
     name: str
+    recipe: Recipe | None  # None: memory that is not a recipe's (``set_`` pointed a view elsewhere, or cut off)
     key: RopeKey | None = None  # what recognition found when the table was converted
-    materialized: torch.Tensor | None = None  # the table's values, in its base shape, once written
-    whole_reads: dict[str, int] = field(default_factory=dict)  # op -> times it computed the whole table
+    materialized: torch.Tensor | None = None  # the values: in ``recipe.shape``, or the tensor ``set_`` gave
     written_by: str | None = None
+    whole_reads: dict[str, int] = field(default_factory=dict)  # op -> times it computed the whole table
+    entry: tuple[weakref.ref, int] | None = None  # the live state_dict entry and its version when it was made
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    @property
+    def label(self) -> str:
+        return self.name or "(unnamed)"
+
+    def materialize(self, op: str) -> torch.Tensor:
+        """The table's storage, made now (its values computed) if it has none: thread-safe, once."""
+        self.sync()
+        if self.materialized is not None:
+            return self.materialized
+        if self.recipe is None:
+            raise RuntimeError(f"rope_dedup: {op} writes a view of a recomputed table that no longer leads to the "
+                               f"table (rows a compiled graph returned without aliasing its input): the write would "
+                               f"be lost; {UNSHARE}")
+        if is_fake(self.recipe.inv_freq):
+            raise RuntimeError(f"rope_dedup: a compiled graph writes a recomputed table ({op}): a table that is "
+                               f"written is not recomputed. Build this model without tables=\"recompute\", or call "
+                               f"rope_dedup.unshare(model) before compiling")
+        with self.lock:
+            if self.materialized is None:
+                self.materialized = whole_values(self.recipe)
+                self.written_by = op
+                warnings.warn(f"rope_dedup: recomputed table {self.label} was written by {op}: it now holds its "
+                              f"values in a storage of its own ({self.materialized.nbytes} bytes)", stacklevel=5)
+        return self.materialized
+
+    def adopt(self, values: torch.Tensor, why: str) -> None:
+        """Make ``values`` (the table's shape) the table's storage: a tensor written outside the table that
+        torch would have written into it (its ``state_dict`` entry, its builder's own reference)."""
+        with self.lock:
+            if self.materialized is None:
+                self.materialized, self.written_by, self.entry = values, why, None
+                warnings.warn(f"rope_dedup: recomputed table {self.label} was written through {why}: it now holds "
+                              f"those values in that storage ({values.nbytes} bytes)", stacklevel=4)
+
+    def entry_for_state_dict(self) -> torch.Tensor:
+        """The values a ``state_dict`` entry holds: one storage while an entry lives (entries alias each other,
+        as torch's do), watched so that a write to it reaches the table (:meth:`sync`)."""
+        assert self.recipe is not None
+        self.sync()
+        memory = self.entry[0]() if self.entry is not None else None
+        if memory is None:
+            memory = whole_values(self.recipe)
+            memory = memory if memory._base is None else memory._base  # what every view of it keeps alive
+            self.entry = (weakref.ref(memory), memory._version)  # views share their base's version counter
+        return memory.view(self.recipe.shape)
+
+    def sync(self) -> None:
+        """A ``state_dict`` entry written since it was made becomes the table's storage (unless it still holds
+        the recipe's values): torch's entry is the table's memory, so the write shows at the next read."""
+        if self.entry is None:
+            return
+        memory = self.entry[0]()
+        if memory is None:
+            self.entry = None
+        elif memory._version != self.entry[1] and self.recipe is not None:
+            values = memory.view(self.recipe.shape)
+            if reproduces(self.recipe, values):
+                self.entry = (self.entry[0], memory._version)
+            else:
+                self.adopt(values, "its state_dict entry")
+
+
+def whole_values(recipe: Recipe) -> torch.Tensor:
+    """Every row of ``recipe``'s table, in its shape."""
+    positions = torch.arange(recipe.length, device=recipe.inv_freq.device, dtype=torch.int64)
+    return recipe.rows(positions).reshape(recipe.shape)
+
+
+Step = tuple[Any, tuple, dict, "int | None"]  # (view op, its other arguments, kwargs, item of a list result)
 
 
 class RecomputedTable(torch.Tensor):
-    """A RoPE table whose values are computed from ``inv_freq`` where they are read (see the module doc)."""
+    """A RoPE table whose values are computed from ``inv_freq`` where they are read, or a view of one (see the
+    module doc)."""
 
-    recipe: Recipe
-    inv_freq: torch.Tensor
     state: _State
+    steps: tuple[Step, ...]  # view ops from the table's memory to this tensor
+    recipe: Recipe | None  # a view of the whole table that still computes any rows it is asked for
+    rows: torch.Tensor | None  # otherwise this view's values: computed when made, or (``live``) a view of memory
+    live: bool
+    inv_freq: torch.Tensor | None
     __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
 
     @staticmethod
     def __new__(cls, recipe: Recipe, state: _State) -> RecomputedTable:
-        return torch.Tensor._make_wrapper_subclass(
-            cls, recipe.shape, dtype=recipe.dtype, device=recipe.inv_freq.device, requires_grad=False)
+        return _make(state, (), recipe=recipe)
 
-    def __init__(self, recipe: Recipe, state: _State) -> None:
-        self.recipe, self.inv_freq, self.state = recipe, recipe.inv_freq, state
+    def __init__(self, recipe: Recipe, state: _State) -> None:  # made whole by __new__
+        pass
 
     def __repr__(self) -> str:  # type: ignore[override]
-        held = "written, holds its values" if self.state.materialized is not None else "recomputed"
+        if self.state.materialized is not None:
+            held = "written, holds its values"
+        else:
+            held = "recomputed" if self.recipe is not None else "rows computed when read"
         return (f"RecomputedTable({self.state.name or 'table'}, shape={tuple(self.shape)}, dtype={self.dtype}, "
                 f"device={self.device}, {held})")
 
     @property
     def is_recomputed(self) -> bool:
-        """False once a write gave the table a storage of its own."""
-        return self.state.materialized is None
-
-    def values(self) -> torch.Tensor:
-        """The whole table as a plain tensor (its storage once written, else computed now)."""
-        if self.state.materialized is not None:
-            return self.state.materialized.reshape(self.shape)
-        positions = torch.arange(self.recipe.length, device=self.inv_freq.device, dtype=torch.int64)
-        return self.recipe.rows(positions).reshape(self.shape)
-
-    # -- tracing ---------------------------------------------------------------------------------------------
-    def __tensor_flatten__(self) -> tuple[list[str], tuple]:
-        if self.state.materialized is not None:
-            return ["inv_freq", "materialized"], _context(self.recipe, True)
-        return ["inv_freq"], _context(self.recipe, False)
+        """False once the table holds a storage of its own (written)."""
+        self.state.sync()
+        return self.state.materialized is None and self.state.recipe is not None
 
     @property
     def materialized(self) -> torch.Tensor | None:
+        """The table's storage once written (None while recomputed)."""
         return self.state.materialized
+
+    def values(self) -> torch.Tensor:
+        """This tensor's values as a plain tensor: a view of the table's storage once written, else computed."""
+        self.state.sync()
+        if self.state.materialized is not None:
+            return self._plain()
+        return self.rows if self.recipe is None else whole_values(self.recipe)  # type: ignore[return-value]
+
+    # -- what torch does with a tensor's memory, as the plain table would -----------------------------------
+    @property  # type: ignore[override]
+    def data(self) -> torch.Tensor:
+        return self.detach()
+
+    @data.setter
+    def data(self, new: torch.Tensor) -> None:
+        """``t.data = new``: ``t`` now reads ``new``'s memory, as a plain tensor would."""
+        if new.dtype != self.dtype or new.device != self.device:
+            raise RuntimeError(f"rope_dedup: .data = a {new.dtype} tensor on {new.device} for recomputed table "
+                               f"{self.state.label} ({self.dtype}, {self.device}): a recomputed table cannot change "
+                               f"its dtype or device in place; {UNSHARE}")
+        with torch.no_grad():
+            self.set_(new)
+
+    def tolist(self) -> Any:  # type: ignore[override]
+        return self.values().tolist()
+
+    def numpy(self, *, force: bool = False) -> Any:  # type: ignore[override]
+        """An array sharing the table's memory, as torch's is: the table is given a storage first."""
+        self.state.materialize("numpy")
+        return self._plain().numpy(force=force)
+
+    def __array__(self, dtype: Any = None) -> Any:
+        array = self.numpy()
+        return array if dtype is None else array.astype(dtype, copy=False)
+
+    # -- tracing ---------------------------------------------------------------------------------------------
+    def __tensor_flatten__(self) -> tuple[list[str], tuple]:
+        self.state.sync()
+        # A view's offset in the table's memory travels in the context (a graph's output rebuilt from its flattened
+        # parts must keep it: AOTAutograd gives back a view of a table input by its offset).
+        if self.state.materialized is not None:
+            self._plain()
+            return ["rows"], ("memory", self.storage_offset())
+        if self.recipe is None:
+            return ["rows"], ("rows", self.storage_offset())
+        return ["inv_freq"], _context(self.recipe)
 
     @staticmethod
     def __tensor_unflatten__(inner: dict[str, torch.Tensor], context: tuple, outer_size: Any,
                              outer_stride: Any) -> RecomputedTable:
+        if context[0] in ("memory", "rows"):
+            rows = inner["rows"]
+            state = _State("", None, materialized=rows if context[0] == "memory" else None)
+            return _make(state, (), rows=rows, offset=context[1], live=context[0] == "memory")
         fields, _ = context
         recipe = Recipe(**dict(fields), inv_freq=inner["inv_freq"])
-        return RecomputedTable(recipe, _State("", materialized=inner.get("materialized")))
+        return _make(_State("", recipe), (), recipe=recipe)
 
     def __reduce_ex__(self, protocol: Any) -> tuple:  # pickle, torch.save: the recipe, not the values
-        return _rebuild, (_context(self.recipe, False)[0], self.inv_freq, self.state.name, self.state.materialized,
+        if self.recipe is None or self.steps:  # a view: its values, as pickling a view of a table gives
+            return _plain_copy, (self.values(),)
+        return _rebuild, (_context(self.recipe)[0], self.inv_freq, self.state.name, self.state.materialized,
                           self.state.key)
+
+    def __deepcopy__(self, memo: dict) -> RecomputedTable:
+        if id(self) in memo:
+            return memo[id(self)]
+        state = memo.get(id(self.state))
+        if state is None:  # views of one table copied together read one copy of it, as deepcopy keeps aliasing
+            recipe = self.state.recipe
+            held = self.state.materialized
+            state = memo[id(self.state)] = _State(
+                self.state.name, None if recipe is None else recipe.with_inv_freq(copy.deepcopy(recipe.inv_freq, memo)),
+                self.state.key, None if held is None else held.clone(), self.state.written_by)
+        recipe = None if self.recipe is None or state.recipe is None else \
+            self.recipe.with_inv_freq(state.recipe.inv_freq)
+        rows = None if self.rows is None or self.live else self.rows.clone()
+        copied = _make(state, self.steps, recipe=recipe, rows=rows, offset=self.storage_offset(), like=self)
+        memo[id(self)] = copied
+        return copied
+
+    def _stable_hash_for_caching(self) -> str:
+        """What AOTAutograd's cache keys on besides the inner tensors: the recipe, not the table's name."""
+        return hashlib.sha256(repr(self.__tensor_flatten__()[1]).encode()).hexdigest()
 
     # -- dispatch --------------------------------------------------------------------------------------------
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None  # type: ignore[override]
                            ) -> Any:
         kwargs = kwargs or {}
-        if func is aten.copy_.default and _copies_own_values(args[0], args[1]):
-            return args[0]  # a reload of equal values (load_state_dict) changes nothing: stays recomputed
-        written = [a for a in _written(func, args, kwargs) if isinstance(a, RecomputedTable)]
-        for table in written:
-            table._materialize(str(func.overloadpacket.__name__))
-        first = args[0] if args and isinstance(args[0], RecomputedTable) else None
-        if first is not None and first.state.materialized is None and func in _OPS:
-            found = _OPS[func](first, *args[1:], **kwargs)
-            if found is not NotImplemented:
-                return found
-        out = func(*tree_map(_plain_for(func), args), **tree_map(_plain_for(func), kwargs))
-        return args[0] if written and func._schema.name.endswith("_") else out
+        first = args[0] if args else None
+        if func is aten.copy_.default and _copies_own_values(first, args[1]):
+            return first  # a reload of equal values (load_state_dict) changes nothing: stays recomputed
+        if func is aten.detach_.default:
+            return first  # a table never requires grad: nothing to detach
+        written = [a for a in written_arguments(func, args, kwargs) if isinstance(a, RecomputedTable)]
+        if written:
+            return _write(func, args, kwargs, written)
+        if isinstance(first, RecomputedTable) and first.recipe is not None and func in _OPS:
+            first.state.sync()
+            if first.state.materialized is None:
+                found = _OPS[func](first, *args[1:], **kwargs)
+                if found is not NotImplemented:
+                    return return_and_correct_aliasing(func, args, kwargs, found)
+        return _read(func, args, kwargs)
 
-    def __deepcopy__(self, memo: dict) -> RecomputedTable:
-        if id(self) in memo:
-            return memo[id(self)]
-        # Copies of tables that use one frequency vector use one copy of it, as deepcopy keeps aliasing.
-        recipe = self.recipe.with_inv_freq(copy.deepcopy(self.inv_freq, memo))
-        held = None if self.state.materialized is None else self.state.materialized.clone()
-        memo[id(self)] = copied = RecomputedTable(recipe, _State(self.state.name, self.state.key, held))
-        return copied
+    # -- memory ----------------------------------------------------------------------------------------------
+    def _plain(self) -> torch.Tensor:
+        """This tensor as a view of the table's storage (which must exist): its steps replayed once, then kept."""
+        if not self.live:
+            self.rows, self.live = self._replay(self.state.materialized), True  # type: ignore[arg-type]
+        return self.rows  # type: ignore[return-value]
 
-    def _stable_hash_for_caching(self) -> str:
-        """What AOTAutograd's cache keys on besides the inner tensors: the recipe, not the table's name."""
-        return hashlib.sha256(repr(_context(self.recipe, self.state.materialized is not None)).encode()).hexdigest()
+    def _replay(self, memory: torch.Tensor) -> torch.Tensor:
+        """This tensor's view of ``memory`` (a plain tensor in the shape of the table's memory)."""
+        view = aten.alias.default(memory)
+        for func, args, kwargs, item in self.steps:
+            view = func(view, *args, **kwargs)
+            view = view if item is None else view[item]
+        return view
 
-    def _materialize(self, op: str) -> None:
-        if is_fake(self.inv_freq):
-            raise RuntimeError(f"rope_dedup: a compiled graph writes a recomputed table ({op}): a table that is "
-                               f"written is not recomputed. Build this model without tables=\"recompute\", or call "
-                               f"rope_dedup.unshare(model) before compiling")
-        if self.state.materialized is None:
-            self.state.materialized = self.values().clone()  # aliases read it in their shapes (unit dims apart)
-            self.state.written_by = op
-            warnings.warn(f"rope_dedup: recomputed table {self.state.name or '(unnamed)'} was written by {op}: it "
-                          f"now holds its values in a storage of its own ({self.nbytes} bytes)", stacklevel=4)
+    def state_dict_entry(self) -> torch.Tensor:
+        """What ``state_dict()`` holds for this table: a plain tensor of its values (a checkpoint loads anywhere)
+        that is its memory, as torch's entry is: its storage once written; else values computed once while the
+        entry lives, which become the table's storage if written (the next read of the table sees the write)."""
+        self.state.sync()
+        if self.state.materialized is not None:
+            return self._plain().detach()
+        if self.recipe is None:
+            return self.values().detach()
+        return self._replay(self.state.entry_for_state_dict())
+
+    def _rebase(self, memory: torch.Tensor) -> None:
+        """This tensor now reads ``memory`` (a plain tensor), with its metadata: after ``set_``, ``.data =``,
+        ``resize_``, ``t_`` and every other op that changes what a tensor views."""
+        self.state = _State(self.state.name, None, self.state.key, memory, self.state.written_by)
+        self.steps, self.recipe, self.inv_freq, self.rows, self.live = (), None, None, memory, True
+        _set_metadata(self, memory)
 
 
-def _context(recipe: Recipe, materialized: bool) -> tuple:
-    return recipe.fields, materialized
+def _make(state: _State, steps: tuple[Step, ...], recipe: Recipe | None = None, rows: torch.Tensor | None = None,
+          offset: Any = 0, live: bool = False, like: torch.Tensor | None = None) -> RecomputedTable:
+    """A view of ``state``: the whole table computed on demand (``recipe``), or values already computed
+    (``rows``, with the storage offset torch would give the view). ``like`` gives the metadata instead."""
+    if like is not None:
+        table = torch.Tensor._make_wrapper_subclass(RecomputedTable, like.shape, strides=like.stride(),
+                                                    storage_offset=like.storage_offset(), dtype=like.dtype,
+                                                    device=like.device, requires_grad=False)
+        conj, neg = like.is_conj(), like.is_neg()
+    elif rows is None:
+        assert recipe is not None
+        table = torch.Tensor._make_wrapper_subclass(RecomputedTable, recipe.shape, dtype=recipe.dtype,
+                                                    device=recipe.inv_freq.device, requires_grad=False)
+        conj = neg = False
+    else:
+        table = torch.Tensor._make_wrapper_subclass(RecomputedTable, rows.shape, strides=rows.stride(),
+                                                    storage_offset=offset, dtype=rows.dtype, device=rows.device,
+                                                    requires_grad=False)
+        conj, neg = rows.is_conj(), rows.is_neg()
+    if conj:
+        torch._C._set_conj(table, True)
+    if neg:
+        torch._C._set_neg(table, True)
+    table.state, table.steps, table.recipe, table.rows, table.live = state, steps, recipe, rows, live
+    table.inv_freq = None if recipe is None else recipe.inv_freq
+    return table
+
+
+def _set_metadata(table: RecomputedTable, like: torch.Tensor) -> None:
+    """Give ``table`` (the wrapper itself) ``like``'s sizes, strides, offset, conj and neg bits, in place, as an
+    in-place metadata op changes a plain tensor. Only the wrapper's metadata changes (no dispatch, meta kernels),
+    after its placeholder storage is made large enough."""
+    extent = like.storage_offset() + sum((s - 1) * st for s, st in zip(like.shape, like.stride())) + 1
+    if like.numel() and extent * like.element_size() > table.untyped_storage().nbytes():
+        room = torch.Tensor._make_wrapper_subclass(RecomputedTable, (extent,), dtype=like.dtype, device=like.device)
+        torch._functionalize_unsafe_set(table, room)
+    with no_dispatch():
+        meta = torch._C._meta_in_tls_dispatch_include()
+        torch._C._set_meta_in_tls_dispatch_include(True)
+        try:
+            aten.as_strided_.default(table, like.shape, like.stride(), like.storage_offset())
+        finally:
+            torch._C._set_meta_in_tls_dispatch_include(meta)
+    torch._C._set_conj(table, like.is_conj())
+    torch._C._set_neg(table, like.is_neg())
+
+
+def _context(recipe: Recipe) -> tuple:
+    return recipe.fields, "recomputed"
 
 
 def _rebuild(fields: tuple, inv_freq: torch.Tensor, name: str, materialized: torch.Tensor | None,
              key: RopeKey | None = None) -> RecomputedTable:
-    return RecomputedTable(Recipe(**dict(fields), inv_freq=inv_freq), _State(name, key, materialized=materialized))
+    recipe = Recipe(**dict(fields), inv_freq=inv_freq)
+    return RecomputedTable(recipe, _State(name, recipe, key, materialized=materialized))
+
+
+def _plain_copy(values: torch.Tensor) -> torch.Tensor:
+    return values.clone()
 
 
 def _copies_own_values(table: Any, source: Any) -> bool:
     """Whether ``table.copy_(source)`` would write what a still recomputed ``table`` already reads, bit for bit."""
-    if not isinstance(table, RecomputedTable) or table.state.materialized is not None:
+    if not isinstance(table, RecomputedTable) or table.recipe is None or not table.is_recomputed:
         return False
     if isinstance(source, RecomputedTable) or not isinstance(source, torch.Tensor):
         return False
@@ -165,120 +387,153 @@ def _copies_own_values(table: Any, source: Any) -> bool:
     return reproduces(table.recipe, source)
 
 
-def _plain_for(func: Any) -> Callable[[Any], Any]:
-    """Unwrap each table argument: its storage once written, else the whole table computed for this op."""
-    def plain(value: Any) -> Any:
-        if not isinstance(value, RecomputedTable):
-            return value
-        if value.state.materialized is not None:
-            return value.state.materialized.reshape(value.shape)
-        op = str(func.overloadpacket.__name__)
-        value.state.whole_reads[op] = value.state.whole_reads.get(op, 0) + 1
-        warnings.warn(f"rope_dedup: {op} reads recomputed table {value.state.name or '(unnamed)'} whole: it is "
-                      f"computed in full for this op ({value.nbytes} bytes); read rows of it (slice, index) to "
-                      f"compute only those", stacklevel=5)
-        return value.values()
-    return plain
+# -- reads: the values an op computes with, and views of tables as views ---------------------------------------
+
+# Ops that read only a tensor's metadata: computing a whole table for them would be waste.
+_METADATA_ONLY = {aten.empty_like.default, aten.zeros_like.default, aten.ones_like.default, aten.full_like.default,
+                  aten.rand_like.default, aten.randn_like.default, aten.randint_like.default,
+                  aten.randint_like.low_dtype, aten.new_empty.default, aten.new_zeros.default, aten.new_ones.default,
+                  aten.new_full.default, aten.new_empty_strided.default}
 
 
-class RecomputedRows(torch.Tensor):
-    """Rows of a recomputed table read through a view (slice, select, narrow, and views of those): computed
-    values that still write through to the table. Any read unwraps to the rows; a write first gives the table
-    a storage of its own, then lands in it through the same views, as it would in the table itself."""
+def _op_name(func: Any) -> str:
+    return str(func.overloadpacket.__name__)
 
-    rows: torch.Tensor
-    table: RecomputedTable | None  # None: rows that crossed a compiled graph's boundary, cut off from the table
-    steps: tuple  # (view op, args, kwargs, item of a list result or None) from the table to these rows
-    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
 
-    @staticmethod
-    def __new__(cls, rows: torch.Tensor, table: RecomputedTable | None, steps: tuple) -> RecomputedRows:
-        return torch.Tensor._make_wrapper_subclass(cls, rows.shape, strides=rows.stride(), dtype=rows.dtype,
-                                                   device=rows.device, requires_grad=False)
+def _read(func: Any, args: tuple, kwargs: dict) -> Any:
+    """Run ``func`` on the values of its table arguments; a view of a table comes back as a view of it."""
+    op = _op_name(func)
+    seen: dict[int, torch.Tensor] = {}
 
-    def __init__(self, rows: torch.Tensor, table: RecomputedTable | None, steps: tuple) -> None:
-        self.rows, self.table, self.steps = rows, table, steps
+    def values(arg: Any) -> Any:
+        if not isinstance(arg, RecomputedTable):
+            return arg
+        if id(arg) not in seen:
+            if func in _METADATA_ONLY:
+                seen[id(arg)] = torch.empty_strided(arg.shape, arg.stride(), dtype=arg.dtype, device=arg.device)
+            elif func.overloadpacket is aten.set_:  # a plain tensor set_ to a table reads the table's memory
+                arg.state.materialize(op)
+                seen[id(arg)] = arg._plain()
+            else:
+                seen[id(arg)] = _values_for(arg, op)
+        return seen[id(arg)]
 
-    def __repr__(self) -> str:  # type: ignore[override]
-        return f"RecomputedRows({self.rows!r})"
-
-    def __tensor_flatten__(self) -> tuple[list[str], None]:
-        return ["rows"], None
-
-    @staticmethod
-    def __tensor_unflatten__(inner: dict[str, torch.Tensor], context: None, outer_size: Any,
-                             outer_stride: Any) -> RecomputedRows:
-        return RecomputedRows(inner["rows"], None, ())
-
-    def __reduce_ex__(self, protocol: Any) -> tuple:  # what pickling a view of a table gives: its values
-        return _plain_copy, (self.rows,)
-
-    @classmethod
-    def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None  # type: ignore[override]
-                           ) -> Any:
-        kwargs = kwargs or {}
-        written = [a for a in _written(func, args, kwargs) if isinstance(a, RecomputedRows)]
-        for rows in written:
-            rows._write_through(str(func.overloadpacket.__name__))
-        out = func(*tree_map(_rows_of, args), **tree_map(_rows_of, kwargs))
-        if written:
-            return args[0] if func._schema.name.endswith("_") else out
-        first = args[0] if args else None
-        # Rows of a table written since read its storage (``_rows_of``): a view of them is a plain view of it.
-        if isinstance(first, RecomputedRows) and first.steps and _returns_view(func):
-            if isinstance(out, (list, tuple)):
-                return type(out)(RecomputedRows(o, first.table, first.steps + ((func, args[1:], kwargs, i),))
-                                 for i, o in enumerate(out))
-            return RecomputedRows(out, first.table, first.steps + ((func, args[1:], kwargs, None),))
+    plain_args, plain_kwargs = tree_map(values, args), tree_map(values, kwargs)
+    out = func(*plain_args, **plain_kwargs)
+    views = _aliased_inputs(func)
+    if not views:
         return out
-
-    def _write_through(self, op: str) -> None:
-        """Point these rows at the table's own storage, through the same views, before ``op`` writes them."""
-        if self.table is None:
-            raise RuntimeError(f"rope_dedup: {op} writes rows of a recomputed table that a compiled graph returned: "
-                               f"they no longer lead to the table, and the write would be lost; call "
-                               f"rope_dedup.unshare(model) before writing RoPE tables")
-        self.table._materialize(op)
-        self._see_storage()
-
-    def _see_storage(self) -> None:
-        """Read through the views from the table's storage from now on (it has one since a write)."""
-        view = self.table.state.materialized.reshape(self.table.shape)  # type: ignore[union-attr]
-        for func, args, kwargs, item in self.steps:
-            view = func(view, *args, **kwargs)
-            view = view if item is None else view[item]
-        self.rows, self.steps = view, ()
+    for arg_index, out_index in views:
+        table = _argument(func, args, kwargs, arg_index)
+        if not isinstance(table, RecomputedTable):
+            continue
+        computed = _argument(func, plain_args, plain_kwargs, arg_index)
+        rest = tuple(tree_map(lambda a: seen.get(id(a), a), args[1:]))
+        made = out[out_index] if isinstance(out, tuple) else out
+        if isinstance(made, (list, tuple)):
+            made = type(made)(_view_of(table, computed, (func, rest, kwargs, i), o) for i, o in enumerate(made))
+        else:
+            made = _view_of(table, computed, (func, rest, kwargs, None), made)
+        out = tuple(made if i == out_index else o for i, o in enumerate(out)) if isinstance(out, tuple) else made
+    return return_and_correct_aliasing(func, args, kwargs, out)
 
 
-def _rows_of(value: Any) -> Any:
-    """The rows to compute with: once the table was written (through any view), its storage's, as a view of
-    a written table would read."""
-    if not isinstance(value, RecomputedRows):
-        return value
-    if value.steps and value.table is not None and value.table.state.materialized is not None:
-        value._see_storage()
-    return value.rows
+def _values_for(table: RecomputedTable, op: str) -> torch.Tensor:
+    """The values ``op`` reads of ``table``: its storage once written, its rows, or the whole table computed."""
+    table.state.sync()
+    if table.state.materialized is not None:
+        return table._plain()
+    if table.recipe is None:
+        return table.rows  # type: ignore[return-value]
+    state = table.state
+    state.whole_reads[op] = state.whole_reads.get(op, 0) + 1
+    warnings.warn(f"rope_dedup: {op} reads recomputed table {state.label} whole: it is computed in full for this op "
+                  f"({table.nbytes} bytes); read rows of it (slice, index) to compute only those", stacklevel=5)
+    return whole_values(table.recipe)
 
 
-def _plain_copy(rows: torch.Tensor) -> torch.Tensor:
-    return rows.clone()
+def _view_of(table: RecomputedTable, computed: torch.Tensor, step: Step, value: torch.Tensor) -> RecomputedTable:
+    """``value`` (a view of ``computed``, the values ``table`` was read as) as a view of ``table``: at torch's
+    offset in the table's memory, and a view of that memory once there is one."""
+    if step[0] is aten.as_strided.default:  # positions in memory itself: from the table's own storage offset
+        offset = value.storage_offset()
+    else:
+        offset = table.storage_offset() + value.storage_offset() - computed.storage_offset()
+    return _make(table.state, table.steps + (step,), rows=value, offset=offset, live=table.live)
 
 
-def _returns_view(func: Any) -> bool:
-    returns = func._schema.returns
-    return len(returns) == 1 and returns[0].alias_info is not None and not returns[0].alias_info.is_write
+def _aliased_inputs(func: Any) -> list[tuple[int, int]]:
+    """(argument, return) pairs where ``func`` returns a view of that argument (its schema says so, as torch's
+    own aliasing correction reads it)."""
+    return get_alias_info(func).read_only_alias_match_indexes
 
 
-def _written(func: Any, args: tuple, kwargs: dict) -> list[Any]:
+def _argument(func: Any, args: tuple, kwargs: dict, index: int) -> Any:
+    return args[index] if index < len(args) else kwargs.get(func._schema.arguments[index].name)
+
+
+# -- writes ----------------------------------------------------------------------------------------------------
+
+def written_arguments(func: Any, args: tuple, kwargs: dict) -> list[Any]:
     """The arguments ``func``'s schema writes."""
     found = []
     for i, argument in enumerate(func._schema.arguments):
         if argument.alias_info is not None and argument.alias_info.is_write:
-            found.append(args[i] if i < len(args) else kwargs.get(argument.name))
+            value = args[i] if i < len(args) else kwargs.get(argument.name)
+            found.extend(value if isinstance(value, (list, tuple)) else [value])
     return found
 
 
-# -- the op table: one function per op, each returning NotImplemented to fall back to the whole table ----------
+def _write(func: Any, args: tuple, kwargs: dict, written: list[RecomputedTable]) -> Any:
+    """Give each written table a storage, run ``func`` on it, and carry any metadata change to the wrapper."""
+    op = _op_name(func)
+    repoints = func.overloadpacket is aten.set_  # set_ replaces what the tensor views: its old values are not read
+    if not repoints:
+        for table in written:
+            table.state.materialize(op)
+    targets: dict[int, torch.Tensor] = {}
+    seen: dict[int, torch.Tensor] = {}
+
+    def values(arg: Any) -> Any:
+        if not isinstance(arg, RecomputedTable):
+            return arg
+        if any(arg is t for t in written):
+            if id(arg) not in targets:  # a fresh alias: a metadata change must reach this wrapper alone
+                targets[id(arg)] = torch.empty(0, dtype=arg.dtype, device=arg.device) if repoints \
+                    else aten.alias.default(arg._plain())
+            return targets[id(arg)]
+        if id(arg) not in seen:
+            if repoints:  # set_'s source is aliased, not read: it needs its memory
+                arg.state.materialize(op)
+                seen[id(arg)] = arg._plain()
+            else:
+                seen[id(arg)] = _values_for(arg, op)
+        return seen[id(arg)]
+
+    out = func(*tree_map(values, args), **tree_map(values, kwargs))
+    for table in written:
+        memory = targets[id(table)]
+        if (memory.shape, memory.stride(), memory.storage_offset(), memory.is_conj(), memory.is_neg()) != \
+                (table.shape, table.stride(), table.storage_offset(), table.is_conj(), table.is_neg()) or repoints:
+            table._rebase(memory)
+    return _returned(func, args, kwargs, out)
+
+
+def _returned(func: Any, args: tuple, kwargs: dict, out: Any) -> Any:
+    """What an in-place or out= op returns: the very tensors it wrote (its schema's write aliases)."""
+    returns = func._schema.returns
+    if not returns or any(r.alias_info is None or not r.alias_info.is_write for r in returns):
+        return out
+    by_alias = {}
+    for i, argument in enumerate(func._schema.arguments):
+        if argument.alias_info is not None and argument.alias_info.is_write:
+            by_alias[frozenset(argument.alias_info.before_set)] = _argument(func, args, kwargs, i)
+    found = [by_alias[frozenset(r.alias_info.before_set)] for r in returns]  # type: ignore[union-attr]
+    return found[0] if len(found) == 1 else tuple(found)
+
+
+# -- the op table: exact reads of a whole recomputed table, one function per op (NotImplemented: a plain read) -
+
 _OPS: dict[Any, Callable[..., Any]] = {}
 
 
@@ -290,15 +545,16 @@ def _implements(*ops: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]
     return register
 
 
-def _alias(table: RecomputedTable, shape: tuple[int, ...] | None = None) -> RecomputedTable | Any:
+def _alias(table: RecomputedTable, step: Step, shape: tuple[int, ...] | None = None) -> RecomputedTable | Any:
     """The same table seen with unit dims added or dropped; NotImplemented for any other reshape."""
+    assert table.recipe is not None
     shape = tuple(table.shape) if shape is None else tuple(shape)
     if [s for s in shape if s != 1] != [s for s in table.shape if s != 1]:
         return NotImplemented
     pos_dim = position_dim(shape)
     if pos_dim is None:
         return NotImplemented
-    return RecomputedTable(replace(table.recipe, shape=shape, pos_dim=pos_dim), table.state)
+    return _make(table.state, table.steps + (step,), recipe=replace(table.recipe, shape=shape, pos_dim=pos_dim))
 
 
 # Rows computed while one graph is traced, per tracer: a layer reads its table's rows once for q and once for
@@ -315,19 +571,34 @@ def _once_per_graph(table: RecomputedTable, read: tuple, compute: Callable[[], t
     if mode is None or not all(type(v) in (int, str) for v in read):
         return compute()
     seen = _TRACED.setdefault(mode, {})
-    key = (id(table.inv_freq), _context(table.recipe, False), read)
+    key = (id(table.inv_freq), _context(table.recipe), read)  # type: ignore[arg-type]
     if key not in seen:
         seen[key] = (table.inv_freq, compute())  # the vector held: its id stays its own while the trace lasts
     return seen[key][1]
 
 
-def _positions(start: int, stop: int, step: int, table: RecomputedTable) -> torch.Tensor:
-    return torch.arange(start, stop, step, device=table.inv_freq.device, dtype=torch.int64)
+def _positions(start: Any, stop: Any, table: RecomputedTable) -> torch.Tensor:
+    return torch.arange(start, stop, device=table.device, dtype=torch.int64)
+
+
+def _rows(table: RecomputedTable, step: Step, begin: Any, stop: Any, every: int, offset: Any) -> RecomputedTable:
+    """The view of rows ``begin:stop:every`` along the positions, computed (once per graph while traced)."""
+    recipe = table.recipe
+    assert recipe is not None
+    dim = recipe.pos_dim
+
+    def compute() -> torch.Tensor:
+        rows = recipe.rows_in_place(_positions(begin, torch.sym_max(begin, stop), table))
+        # A stepped slice is a strided view of the rows it spans: computed so, it has torch's strides.
+        return rows if every == 1 else rows[(slice(None),) * dim + (slice(None, None, every),)]
+
+    rows = _once_per_graph(table, ("slice", dim, begin, stop, every), compute)
+    return _make(table.state, table.steps + (step,), rows=rows, offset=offset)
 
 
 @_implements(aten.detach.default, aten.alias.default)
 def _same(table: RecomputedTable) -> Any:
-    return RecomputedTable(table.recipe, table.state)
+    return _alias(table, (aten.alias.default, (), {}, None))
 
 
 @_implements(aten.clone.default)
@@ -335,7 +606,8 @@ def _clone(table: RecomputedTable, **kwargs: Any) -> Any:
     """A table of its own (``deepcopy`` calls clone): a write to the copy must not reach this one."""
     if kwargs.get("memory_format") not in (None, torch.preserve_format, torch.contiguous_format):
         return NotImplemented
-    return RecomputedTable(table.recipe, _State(table.state.name, table.state.key))
+    assert table.recipe is not None
+    return _make(_State(table.state.name, table.recipe, table.state.key), (), recipe=table.recipe)
 
 
 @_implements(aten.slice.Tensor)
@@ -346,12 +618,10 @@ def _slice(table: RecomputedTable, dim: int = 0, start: int | None = None, end: 
     # torch.sym_min/sym_max, not slice.indices(): under dynamic shapes the bounds are symbols, and turning
     # them into ints would specialize the graph to one length.
     begin, stop = _bound(start, size, 0), _bound(end, size, size)
-    if dim != table.recipe.pos_dim:
-        return _alias(table) if (begin, stop, step) == (0, size, 1) else NotImplemented
-    rows = _once_per_graph(table, ("slice", dim, begin, stop, step),
-                           lambda: table.recipe.rows_in_place(
-                               _positions(begin, torch.sym_max(begin, stop), step, table)))
-    return RecomputedRows(rows, table, ((aten.slice.Tensor, (dim, start, end, step), {}, None),))
+    view = (aten.slice.Tensor, (dim, start, end, step), {}, None)
+    if dim != table.recipe.pos_dim:  # type: ignore[union-attr]
+        return _alias(table, view) if (begin, stop, step) == (0, size, 1) else NotImplemented
+    return _rows(table, view, begin, stop, step, begin * table.stride(dim))
 
 
 def _bound(index: Any, size: int, default: int) -> Any:
@@ -366,56 +636,72 @@ def _bound(index: Any, size: int, default: int) -> Any:
 @_implements(aten.select.int)
 def _select(table: RecomputedTable, dim: int, index: int) -> Any:
     dim %= table.dim()
-    if dim != table.recipe.pos_dim:
-        return _alias(table, tuple(table.shape[:dim]) + tuple(table.shape[dim + 1:]))
-    index = index + table.shape[dim] if index < 0 else index
+    size = table.shape[dim]
+    torch._check_index(-size <= index < size,
+                       lambda: f"select(): index {index} out of range for tensor of size {list(table.shape)} at "
+                               f"dimension {dim}")
+    if dim != table.recipe.pos_dim:  # type: ignore[union-attr]
+        return _alias(table, (aten.select.int, (dim, index), {}, None),
+                      tuple(table.shape[:dim]) + tuple(table.shape[dim + 1:]))
+    index = index + size if index < 0 else index
     rows = _once_per_graph(table, ("select", dim, index),
-                           lambda: table.recipe.rows_in_place(_positions(index, index + 1, 1, table)).squeeze(dim))
-    return RecomputedRows(rows, table, ((aten.select.int, (dim, index), {}, None),))
+                           lambda: table.recipe.rows_in_place(  # type: ignore[union-attr]
+                               _positions(index, index + 1, table)).squeeze(dim))
+    return _make(table.state, table.steps + ((aten.select.int, (dim, index), {}, None),), rows=rows,
+                 offset=index * table.stride(dim))
 
 
 @_implements(aten.index.Tensor)
 def _index(table: RecomputedTable, indices: list[torch.Tensor | None]) -> Any:
-    dim = table.recipe.pos_dim
+    recipe = table.recipe
+    assert recipe is not None
+    dim = recipe.pos_dim
     if len(indices) != dim + 1 or any(i is not None for i in indices[:dim]):
         return NotImplemented
     positions = indices[dim]
     if positions is None or positions.dtype not in (torch.int64, torch.int32):
         return NotImplemented
-    positions = positions.to(torch.int64)
-    return table.recipe.rows_in_place(torch.where(positions < 0, positions + table.recipe.length, positions))
+    positions = check_positions(positions.to(torch.int64), recipe.length, dim, "index", table.state.label)
+    return recipe.rows_in_place(torch.where(positions < 0, positions + recipe.length, positions))
 
 
 @_implements(aten.index_select.default)
 def _index_select(table: RecomputedTable, dim: int, index: torch.Tensor) -> Any:
+    recipe = table.recipe
+    assert recipe is not None
     dim %= table.dim()
-    if dim != table.recipe.pos_dim or index.dim() > 1:
+    if dim != recipe.pos_dim or index.dim() > 1:
         return NotImplemented
-    return table.recipe.rows_in_place(index.to(torch.int64).reshape(-1))
+    positions = check_positions(index.to(torch.int64).reshape(-1), recipe.length, dim, "index_select",
+                                table.state.label)
+    return recipe.rows_in_place(positions)
 
 
 @_implements(aten.embedding.default)
 def _embedding(table: RecomputedTable, indices: torch.Tensor, *args: Any) -> Any:
-    if table.dim() != 2 or table.recipe.pos_dim != 0:
+    recipe = table.recipe
+    assert recipe is not None
+    if table.dim() != 2 or recipe.pos_dim != 0:
         return NotImplemented
-    return table.recipe.rows(indices.to(torch.int64))
+    return recipe.rows(check_positions(indices.to(torch.int64), recipe.length, 0, "embedding", table.state.label))
 
 
 @_implements(aten.unsqueeze.default)
 def _unsqueeze(table: RecomputedTable, dim: int) -> Any:
     dim %= table.dim() + 1
-    return _alias(table, tuple(table.shape[:dim]) + (1,) + tuple(table.shape[dim:]))
+    return _alias(table, (aten.unsqueeze.default, (dim,), {}, None),
+                  tuple(table.shape[:dim]) + (1,) + tuple(table.shape[dim:]))
 
 
 @_implements(aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims)
 def _squeeze(table: RecomputedTable, dims: Any = None) -> Any:
-    if dims is None:
-        dims = range(table.dim())
-    dims = {d % table.dim() for d in ([dims] if isinstance(dims, int) else dims)}
-    return _alias(table, tuple(s for d, s in enumerate(table.shape) if not (d in dims and s == 1)))
+    step = (aten.squeeze.dims, (list(range(table.dim())) if dims is None else
+                                [dims] if isinstance(dims, int) else list(dims),), {}, None)
+    dims = {d % table.dim() for d in step[1][0]}
+    return _alias(table, step, tuple(s for d, s in enumerate(table.shape) if not (d in dims and s == 1)))
 
 
-@_implements(aten.view.default, aten._unsafe_view.default, aten.reshape.default)
+@_implements(aten.view.default, aten._unsafe_view.default)
 def _view(table: RecomputedTable, shape: list[int]) -> Any:
     shape = list(shape)
     if -1 in shape:
@@ -423,14 +709,32 @@ def _view(table: RecomputedTable, shape: list[int]) -> Any:
         for s in shape:
             known *= s if s != -1 else 1
         shape[shape.index(-1)] = table.numel() // max(known, 1)
-    return _alias(table, tuple(shape))
+    return _alias(table, (aten.view.default, (shape,), {}, None), tuple(shape))
 
 
 @_implements(aten.expand.default)
 def _expand(table: RecomputedTable, size: list[int], implicit: bool = False) -> Any:
     size = [table.shape[d - (len(size) - table.dim())] if s == -1 else s for d, s in enumerate(size)]
-    return _alias(table, tuple(size)) if len(size) == table.dim() and tuple(size) == tuple(table.shape) \
-        else NotImplemented
+    if len(size) != table.dim() or tuple(size) != tuple(table.shape):
+        return NotImplemented
+    return _alias(table, (aten.expand.default, (size,), {}, None))
+
+
+@_implements(aten.as_strided.default)
+def _as_strided(table: RecomputedTable, size: list[int], stride: list[int], storage_offset: Any = None) -> Any:
+    """Rows ``a:b`` asked for by their place in memory (AOTAutograd gives back a graph's output that is a view of
+    its table input so): computed as rows; any other view of memory is a plain read."""
+    offset = table.storage_offset() if storage_offset is None else storage_offset
+    dim = table.recipe.pos_dim  # type: ignore[union-attr]
+    row = table.stride(dim)
+    if len(size) != table.dim() or list(stride) != list(table.stride()) or \
+            any(s != t for d, (s, t) in enumerate(zip(size, table.shape)) if d != dim) or offset % row:
+        return NotImplemented
+    begin = offset // row
+    if begin + size[dim] > table.shape[dim]:
+        return NotImplemented
+    view = (aten.as_strided.default, (list(size), list(stride), offset), {}, None)
+    return _rows(table, view, begin, begin + size[dim], 1, offset)
 
 
 @_implements(aten._to_copy.default)
@@ -443,6 +747,7 @@ def _to_copy(table: RecomputedTable, dtype: torch.dtype | None = None, device: A
     if target.type == "meta":  # no values there to compute: the empty tensor any move to meta gives
         return torch.empty(table.shape, dtype=dtype or table.dtype, device=target)
     recipe = table.recipe
+    assert recipe is not None
     if target != table.device:
         moved = recipe.with_inv_freq(recipe.inv_freq.to(target))
         if not _same_on(recipe, moved):
@@ -453,7 +758,7 @@ def _to_copy(table: RecomputedTable, dtype: torch.dtype | None = None, device: A
     key = table.state.key
     if key is not None:  # the key names what the table holds now: its dtype and device
         key = replace(key, dtype=recipe.dtype, device=recipe.inv_freq.device)
-    return RecomputedTable(recipe, _State(table.state.name, key))
+    return RecomputedTable(recipe, _State(table.state.name, recipe, key))
 
 
 def _same_on(here: Recipe, there: Recipe) -> bool:
