@@ -190,7 +190,7 @@ class sharing:  # noqa: N801 (used as a context manager, like torch.no_grad)
         known = name in module._buffers  # an assignment to an existing buffer: its persistence is set
         persistent = known and name not in module._non_persistent_buffers_set
         if self._converter is not None and not self.store.dry_run and not isinstance(tensor, RecomputedTable):
-            replacement, recomputed, refusal = self._converter.convert(tensor, label)
+            replacement, recomputed, refusal = self._converter.convert(tensor, label, module=module)
             if replacement is not None:
                 if recomputed is not None:  # else converted at an earlier registration: one table, two holders
                     self._recomputed.append((recomputed, weakref.ref(replacement)))

@@ -20,9 +20,12 @@ its own table in place through an op that returns the table or a view of it (:da
 second backend's ``share()`` of the model before it is compiled (a second store); a thread that builds
 reports while the calls intern. The share() path calls share() again after each step, as a user would. A fourth
 path does the same with ``share(model, tables="recompute")``: outputs bitwise equal, every table recomputed,
-shared or skipped with a reason. ``ROPE_DEDUP_PROPERTY_EXAMPLES`` sets the number of examples over the three
-inner backends (default 30: 15 eager, 12 aot_eager, 3 inductor; the long run uses 500), plus 3/10 of it for
-share() and 3/10 for recompute.
+shared or skipped with a reason. A fifth trains through recomputed tables: every call a training step, in eager or
+under aot_eager (drawn), the loss and every gradient bitwise equal to the plain model's through the lifecycle steps.
+A sixth compiles through the backend's recompute door (``RopeDedupBackend(inner, tables="recompute")``, eager or
+aot_eager) with drawn lifecycle steps, writing layers and second stores. ``ROPE_DEDUP_PROPERTY_EXAMPLES`` sets the
+number of examples over the three inner backends (default 30: 15 eager, 12 aot_eager, 3 inductor; the long run
+uses 500), plus 3/10 of it for share() and 3/10 for recompute, and 1/10 each for training and the recompute door.
 """
 
 from __future__ import annotations
@@ -69,6 +72,9 @@ TABLE_OF = {"cos_sin": "cos", "hf_halves": "cos_cached", "titan_cos_sin": "rope_
             "stacked": "cache", "gptj": "embed_positions", "inv_freq": "inv_freq", "lazy_cache": "cached_freqs",
             "filled_cache": "filled_freqs"}
 EAGER_PATHS = ("share", "recompute")  # paths that never compile: share(), and share(tables="recompute")
+# Paths that draw their inner backend, eager or aot_eager (bitwise): training through recomputed tables, and the
+# backend's recompute door.
+DRAWN_INNER = ("train", "recompute_backend")
 SCALE = 1.0 + 2.0 ** -7  # exact in every float dtype drawn: each call moves the table, alike in both models
 
 
@@ -115,7 +121,8 @@ def decoders(draw, inner: str):
         "specs": layers,
         "graph_break": draw(st.booleans()),
         "regional": draw(st.booleans()),
-        "inner": inner,
+        "inner": draw(st.sampled_from(["eager", "aot_eager"])) if inner in DRAWN_INNER else inner,
+        "path": inner,
         "seed": draw(st.integers(0, 2**16)),
         "steps": draw(st.lists(st.sampled_from(STEPS), min_size=1, max_size=2)),
         "share_persistent": draw(st.booleans()),
@@ -123,9 +130,9 @@ def decoders(draw, inner: str):
         # (layer, op): that layer writes its table through the op on every call; not on the share() path,
         # where a write in eager code is the documented limit (unshare() first).
         "write": draw(st.none() | st.tuples(st.integers(0, 4), st.sampled_from(sorted(WRITES_THROUGH))))
-        if inner not in EAGER_PATHS else None,
-        "second": draw(st.booleans()) if inner not in EAGER_PATHS else False,  # another backend's share() first
-        "reporter": draw(st.booleans()) if inner not in EAGER_PATHS else False,  # a thread building reports
+        if inner not in EAGER_PATHS + ("train",) else None,
+        "second": draw(st.booleans()) if inner not in EAGER_PATHS + ("train",) else False,  # another's share() first
+        "reporter": draw(st.booleans()) if inner not in EAGER_PATHS + ("train",) else False,  # a thread reporting
     }
 
 
@@ -436,6 +443,91 @@ def recompute_keeps_every_promise(case) -> None:
     assert not report.errors
 
 
+def training(module: torch.nn.Module, call: Callable) -> Callable[[torch.Tensor], torch.Tensor]:
+    """One SGD step per call of ``call`` (``module`` itself, or compiled): the loss, then every gradient, flat."""
+    def step(x: torch.Tensor) -> torch.Tensor:
+        logits = call(x)
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), x.flatten())
+        loss.backward()
+        params = [p for p in module.parameters() if p.grad is not None]
+        taken = torch.cat([loss.detach().reshape(1).double()] + [p.grad.double().flatten() for p in params])
+        with torch.no_grad():
+            for p in params:
+                p.sub_(p.grad, alpha=0.01)
+                p.grad = None  # nothing left of this step when a lifecycle step moves or swaps parameters
+        return taken
+    return step
+
+
+def recompute_trains_as_the_plain_model(case) -> None:
+    """share(model, tables="recompute"), then every call is a training step, in eager or compiled with aot_eager:
+    its loss and every gradient bitwise equal to the plain model's, step after step, through the case's lifecycle
+    steps (share again after each)."""
+    compiled = case["inner"] != "eager"
+    settings = {"backend": RopeDedupBackend("eager"), "share_persistent": case["share_persistent"],
+                "tables": "recompute"}
+
+    def ready(model: torch.nn.Module, convert: bool) -> Callable[[torch.Tensor], torch.Tensor]:
+        if convert:
+            share(model, **settings)
+        call = compile_model(model, case["inner"], case["regional"]) if compiled else model
+        return training(model, call)
+
+    torch._dynamo.reset()
+    reference = make(case)
+    expected = run_sequence(case, reference, ready(reference, False), lambda other: ready(other, False))
+    torch._dynamo.reset()
+    model = make(case)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # a reload of other values writes a recomputed table: said once
+        outputs = run_sequence(case, model, ready(model, True), lambda other: ready(other, True),
+                               after_step=lambda: share(model, **settings))
+    assert len(outputs) == len(expected)
+    for got, want in zip(outputs, expected):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    model = unwrap(model)
+    report = share(model, **settings)
+    accounted = {m for g in report.groups for m in g.members} | {s.path for s in report.skipped} | \
+        {r.path for r in report.recomputed}
+    assert all(name in accounted for name, _ in rope_tensors(model))
+    assert not report.errors
+
+
+def recompute_backend_keeps_every_promise(case) -> None:
+    """``RopeDedupBackend(inner, tables="recompute")``: the model converted while its first graph compiles, then
+    the case's lifecycle steps, outputs bitwise equal to the same compile without rope_dedup; every RoPE tensor
+    recomputed, shared or skipped with a reason."""
+    torch._dynamo.reset()
+    counters.clear()
+    plain_model = make(case)
+    expected = run_sequence(case, plain_model, compile_model(plain_model, case["inner"], case["regional"]),
+                            lambda other: compile_model(other, case["inner"], case["regional"]))
+    torch._dynamo.reset()
+    counters.clear()
+    model = make(case)
+    if case["second"]:
+        share(model, backend=RopeDedupBackend("eager"), share_persistent=case["share_persistent"])
+    backend = RopeDedupBackend(case["inner"], tables="recompute", share_persistent=case["share_persistent"])
+    with reporting(backend, case) as failures, warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # a reload of other values writes a recomputed table
+        outputs = run_sequence(case, model, compile_model(model, backend, case["regional"]),
+                               lambda other: compile_model(other, backend, case["regional"]))
+    assert not failures, failures
+    assert len(outputs) == len(expected)
+    for got, want in zip(outputs, expected):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    model = unwrap(model)
+    report = backend.report_for(model)
+    accounted = {m for g in report.groups for m in g.members} | {s.path for s in report.skipped} | \
+        {r.path for r in report.recomputed}
+    for name, _ in rope_tensors(model):
+        if read_by_forward(name, model):
+            assert name in accounted, name
+    assert all(s.reason for s in report.skipped)
+    assert not report.errors
+    assert not counters["rope_dedup"]["intern_errors"]
+
+
 def found_by_the_long_run(inner: str, device: torch.device | str) -> list[dict]:
     """Sequences the 500-example runs failed on. Two filled caches around a plain table, per-block compile with
     graph breaks: after ``free`` the refilled cache of the second layer pointed at the canonical's memory
@@ -477,8 +569,9 @@ def random_decoders(inner: str, tenths: int):
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
     @given(decoders(inner))
     def test(case) -> None:
-        {"share": share_keeps_every_promise, "recompute": recompute_keeps_every_promise}.get(
-            inner, keeps_every_promise)(case)
+        {"share": share_keeps_every_promise, "recompute": recompute_keeps_every_promise,
+         "train": recompute_trains_as_the_plain_model,
+         "recompute_backend": recompute_backend_keeps_every_promise}.get(inner, keeps_every_promise)(case)
     return test
 
 
@@ -489,3 +582,5 @@ test_random_decoders_aot_eager = random_decoders("aot_eager", 4)
 test_random_decoders_inductor = random_decoders("inductor", 1)
 test_random_decoders_share = random_decoders("share", 3)
 test_random_decoders_recompute = random_decoders("recompute", 3)
+test_random_decoders_recompute_training = random_decoders("train", 1)
+test_random_decoders_recompute_backend = random_decoders("recompute_backend", 1)

@@ -70,6 +70,40 @@ def test_every_layout_and_scaling_is_recomputed_bit_for_bit(spec):
     assert not [s for s in report.skipped if s.kind is SkipReason.NOT_EXACT]
 
 
+LOW_PRECISION = {  # every layout at bf16 and fp16, made in float32 and cast, as model code and model.to() make them
+    f"{layout}-{str(dtype)[6:]}{'-' + '-'.join(f'{k}{v}' for k, v in extra.items()) if extra else ''}":
+        dict(layout=layout, dtype=dtype, **extra)
+    for dtype in (torch.bfloat16, torch.float16)
+    for layout in ("cos_sin", "hf_halves", "titan_cos_sin", "complex", "stacked", "gptj")
+    for extra in ({}, *([{"rotary_dim": 8}, {"max_len": 4096}] if layout == "hf_halves" else []))
+}
+
+
+@pytest.mark.parametrize("spec", LOW_PRECISION.values(), ids=LOW_PRECISION.keys())
+def test_every_layout_at_low_precision_is_recomputed_whole(spec):
+    """A bf16 sine measures an amplitude of 1.0003 and theta 9999: both within bf16's own precision of the
+    float32 recipe that made it, which reproduces it bit for bit."""
+    model, twin = twins(homogeneous(2, **spec))
+    report = rope_dedup.share(model, tables="recompute")
+    assert all(isinstance(t, RecomputedTable) and t.is_recomputed for t in tables(model)), report.skipped
+    assert torch.equal(model(TOKENS), twin(TOKENS))
+
+
+def test_a_table_is_tried_first_with_the_frequencies_of_its_converted_sibling(monkeypatch):
+    """cos converted, its sin (same module, same positions) is checked with cos's vector before any search."""
+    from rope_dedup.recompute import convert
+
+    given = []
+    find = convert.find_recipe
+    monkeypatch.setattr(convert, "find_recipe", lambda t, table, theta, dim, vectors=(): given.append(
+        [v.tolist() for v in vectors]) or find(t, table, theta, dim, vectors))
+    model, twin = twins(homogeneous(1, layout="hf_halves", dtype=torch.bfloat16))
+    rope_dedup.share(model, tables="recompute")
+    vector = model.layers[0].attention.rope.cos_cached.inv_freq.tolist()
+    assert given == [[], [vector]]
+    assert torch.equal(model(TOKENS), twin(TOKENS))
+
+
 def test_local_global_keys_each_get_their_vector_and_values():
     model, twin = twins(local_global(6, layout="hf_halves"))
     report = rope_dedup.share(model, tables="recompute")

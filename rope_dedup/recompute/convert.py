@@ -47,15 +47,17 @@ class Converter:
         self._by_storage: dict[tuple, tuple[Recipe, torch.Tensor, RopeKey]] = {}
         self._states: dict[tuple, _State] = {}  # where a converted table's values lived -> its memory (see below)
         self._made: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensor -> its replacement
+        self._by_module: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> [(length, vector)]
 
-    def convert(self, tensor: torch.Tensor, path: str, origin: Origin = Origin.BUFFER
-                ) -> tuple[RecomputedTable | None, Recomputed | None, Refusal | None]:
+    def convert(self, tensor: torch.Tensor, path: str, origin: Origin = Origin.BUFFER,
+                module: torch.nn.Module | None = None) -> tuple[RecomputedTable | None, Recomputed | None, Refusal | None]:
         """(its replacement, what was recomputed, why not): all None when ``tensor`` is not a RoPE table, and only
         the replacement when ``tensor`` was converted before.
 
         One tensor gets one replacement however often it is offered (held by two modules), and tensors that are
         one view of one memory (tables shared before) get replacements that are one memory too: a write to one
-        shows in the others, as it did."""
+        shows in the others, as it did. A table of ``module`` is first tried with the frequencies of the tables
+        of the same length converted there already (a bf16 sin measures its theta less well than its cos)."""
         made = self._made.get(tensor)
         if made is not None:  # offered again (registered in a second module): counted once, where first seen
             return made, None, None
@@ -74,12 +76,16 @@ class Converter:
             key = infer_key(found, tensor)
             known = self._equal_to_known(tensor)
             if known is None:
-                searched = find_recipe(tensor, found, key.theta, key.dim)
+                siblings = [v for length, v in self._by_module.get(module, ()) if length == found.length] \
+                    if module is not None else []
+                searched = find_recipe(tensor, found, key.theta, key.dim, siblings)
                 if isinstance(searched, str):
                     return None, None, Refusal(SkipReason.NOT_EXACT, searched)
                 # Kept by its address only while held here: a freed table's address may come back for another.
                 known = self._by_storage[where] = (self._one_vector(searched), tensor, key)
         recipe, _, key = known
+        if module is not None:
+            self._by_module.setdefault(module, []).append((recipe.length, recipe.inv_freq))
         state = self._states.get(where) if where in self._by_storage else None
         if state is None:
             state = _State(path, recipe, key)
@@ -87,6 +93,10 @@ class Converter:
                 self._states[where] = state
         replacement = self._made[tensor] = RecomputedTable(recipe, state)
         return replacement, Recomputed(path, key, storage_nbytes(tensor)), None
+
+    def siblings(self, module: torch.nn.Module) -> int:
+        """How many tables of ``module`` were converted by this converter."""
+        return len(self._by_module.get(module, ()))
 
     def forget_tables(self) -> None:
         """Let go of the tables kept for comparison (a backend keeps its converter, and its vectors, across
@@ -169,16 +179,25 @@ def recompute_tables(*models: torch.nn.Module, dry_run: bool = False, converter:
     originals: list[torch.Tensor] = []
     converter = converter if converter is not None else Converter()
     overlapping = _other_views(*models)
+    offered = []
     for model in models:
         for path, tensor, origin, _, module in module_state(model):
-            if isinstance(tensor, RecomputedTable):
-                if not tensor.is_recomputed:
-                    kept.append((path, Refusal(SkipReason.NOT_EXACT, f"written in place by {tensor.state.written_by} "
-                                                                     f"after it was recomputed")))
-                elif tensor.state.key is not None:
-                    done.append(Recomputed(path, tensor.state.key, tensor.nbytes))
+            if not isinstance(tensor, RecomputedTable):
+                offered.append((path, tensor, origin, module))
+            elif not tensor.is_recomputed:
+                kept.append((path, Refusal(SkipReason.NOT_EXACT, f"written in place by {tensor.state.written_by} "
+                                                                 f"after it was recomputed")))
+            elif tensor.state.key is not None:
+                done.append(Recomputed(path, tensor.state.key, tensor.nbytes))
+    # Twice for a table no recipe reproduced: a sibling of its module converted after it gives its frequencies.
+    for again in (False, True):
+        retry = []
+        for path, tensor, origin, module in offered:
+            replacement, recomputed, refusal = converter.convert(tensor, path, origin, module)
+            if not again and replacement is None and refusal is not None and refusal.reason is SkipReason.NOT_EXACT \
+                    and converter.siblings(module) == 0:
+                retry.append((path, tensor, origin, module, refusal))
                 continue
-            replacement, recomputed, refusal = converter.convert(tensor, path, origin)
             if replacement is not None and id(tensor) in overlapping:
                 refusal = Refusal(SkipReason.NOT_EXACT, f"another view of the memory of {overlapping[id(tensor)]}: "
                                                         f"recomputed apart, a write to one would miss the other")
@@ -186,13 +205,14 @@ def recompute_tables(*models: torch.nn.Module, dry_run: bool = False, converter:
                 refusal = keep(module, path.rpartition(".")[2], tensor)
             if refusal is not None:
                 kept.append((path, refusal))
-                continue
-            if replacement is None or recomputed is None:
-                continue
-            done.append(recomputed)
-            if not dry_run:
-                replaced[id(tensor)] = replacement
-                originals.append(tensor)  # alive until every holder is replaced: its id stays its own
+            elif replacement is not None and recomputed is not None:
+                done.append(recomputed)
+                if not dry_run:
+                    replaced[id(tensor)] = replacement
+                    originals.append(tensor)  # alive until every holder is replaced: its id stays its own
+        offered = [(path, tensor, origin, module) for path, tensor, origin, module, _ in retry
+                   if converter.siblings(module)]
+        kept += [(path, refusal) for path, _, _, module, refusal in retry if not converter.siblings(module)]
     # All at once (a search that fails changes nothing), and in every place that holds the table: holders of one
     # tensor keep holding one tensor.
     for module, name, tensor, persistent in holders(*models):

@@ -162,10 +162,13 @@ def reproduces(recipe: Recipe, tensor: torch.Tensor) -> bool:
     return all(same_values(recipe.rows(positions), table[rows]) for rows, positions in row_chunks(recipe, tensor.device))
 
 
-def find_recipe(tensor: torch.Tensor, table: RopeTable, theta: float | None, dim: int | None) -> Recipe | str:
+def find_recipe(tensor: torch.Tensor, table: RopeTable, theta: float | None, dim: int | None,
+                vectors: Sequence[torch.Tensor] = ()) -> Recipe | str:
     """The recipe that reproduces ``tensor`` bit for bit, or why there is none.
 
     ``theta`` and ``dim`` are the key's (None when the key has none): the textbook frequencies are tried first.
+    ``vectors`` (float32, on the table's device) are tried before them: the frequencies of a sibling table
+    converted already (the cos of the same module, whose sin a bf16 table measures less well).
     """
     if not is_plain(tensor) or tensor.is_meta:
         return "no values to reproduce"
@@ -184,10 +187,11 @@ def find_recipe(tensor: torch.Tensor, table: RopeTable, theta: float | None, dim
         amplitude=None, precision=torch.float32, via=tensor.dtype, shape=tuple(tensor.shape), pos_dim=pos_dim,
     )
     steps = _COMPLEX_STEPS if base.arrangement is Arrangement.COMPLEX else ("polar",)
+    given = [v for v in vectors if v.numel() == table.freqs.numel() and v.device == tensor.device]
     for precision, step in ((p, s) for p in (torch.float32, torch.float64) for s in steps):
         for amplitude in _amplitudes(tensor, table, base):
             recipe = replace(base, complex_step=step, amplitude=amplitude, precision=precision)
-            for inv_freq in _frequency_candidates(recipe, tensor, table, theta, dim):
+            for inv_freq in (*given, *_frequency_candidates(recipe, tensor, table, theta, dim)):
                 candidate = recipe.with_inv_freq(inv_freq)
                 if reproduces(candidate, tensor):
                     return candidate
@@ -196,12 +200,17 @@ def find_recipe(tensor: torch.Tensor, table: RopeTable, theta: float | None, dim
 
 
 def _amplitudes(tensor: torch.Tensor, table: RopeTable, base: Recipe) -> list[float | None]:
-    """The amplitude candidates: none, or float32 values next to the measured one (YaRN's mscale)."""
-    if abs(table.amplitude - 1.0) <= 1e-6 or base.layout_parts == (Part.ANGLE,):
+    """The amplitude candidates: none, or float32 values next to the measured one (YaRN's mscale). A bf16 or
+    fp16 table measures an amplitude of 1 only to its own precision (1.0003 from bf16 sines): none comes first
+    there."""
+    if base.layout_parts == (Part.ANGLE,) or abs(table.amplitude - 1.0) <= 1e-6:
         return [None]
+    real = torch.float16 if tensor.dtype == torch.complex32 else tensor.dtype
+    near_one = 2 * torch.finfo(real).eps if real in (torch.float16, torch.bfloat16) else 1e-6
     measured = torch.tensor(table.amplitude, dtype=torch.float32, device="cpu")
     near = _float32_neighbours(measured.reshape(1), 4).reshape(-1)
-    return [float(a) for a in sorted(near.tolist(), key=lambda a: abs(a - table.amplitude))]
+    found: list[float | None] = [float(a) for a in sorted(near.tolist(), key=lambda a: abs(a - table.amplitude))]
+    return [None, *found] if abs(table.amplitude - 1.0) <= near_one else found
 
 
 def _float32_neighbours(values: torch.Tensor, k: int) -> torch.Tensor:
@@ -213,13 +222,16 @@ def _float32_neighbours(values: torch.Tensor, k: int) -> torch.Tensor:
 
 def _frequency_candidates(recipe: Recipe, tensor: torch.Tensor, table: RopeTable, theta: float | None,
                           dim: int | None):
-    """Float32 frequency vectors to verify, most likely first: the textbook formula, then a column-wise solve."""
+    """Float32 frequency vectors to verify, most likely first: the textbook formula (for the key's theta, and for
+    the same theta to fewer digits: a bf16 table measures 1e4 as 9999), then a column-wise solve."""
     n = table.freqs.numel()
     device = tensor.device
     if theta is not None and dim is not None and dim == 2 * n:
-        exponents = torch.arange(0, dim, 2, device=device, dtype=torch.int64).to(torch.float32) / dim
-        yield 1.0 / (theta ** exponents)
-        yield (1.0 / (theta ** (torch.arange(0, dim, 2, device=device, dtype=torch.float64) / dim))).to(torch.float32)
+        for rounded in dict.fromkeys([theta, *(float(f"{theta:.{d}g}") for d in (3, 2, 1))]):
+            exponents = torch.arange(0, dim, 2, device=device, dtype=torch.int64).to(torch.float32) / dim
+            yield 1.0 / (rounded ** exponents)
+            yield (1.0 / (rounded ** (torch.arange(0, dim, 2, device=device, dtype=torch.float64) / dim))).to(
+                torch.float32)
     solved = _solve_columns(recipe, tensor, table)
     if solved is not None:
         yield solved
