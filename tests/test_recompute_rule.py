@@ -220,6 +220,25 @@ def test_a_model_reads_its_table_as_changed_in_place(change):
     assert torch.equal(model(TOKENS), twin(TOKENS))
 
 
+def test_a_table_that_is_not_contiguous_keeps_its_strides_and_its_views_torchs():
+    """HF's matmul route leaves a transposed table (strides (1, L)): its views, and the guards a compiled graph
+    builds on it, see those strides."""
+    model, twin = twins(route="matmul")
+    table, plain = rope(model).cos, rope(twin).cos
+    assert table.stride() == plain.stride() != (8, 1)
+    for read in (lambda t: t[2:9], lambda t: t[3], lambda t: t[1:12:3], lambda t: t.T, lambda t: t[:, 1:3],
+                 lambda t: t[4:10] * 2, lambda t: t[None]):
+        assert same(read(table), read(plain))
+    with pytest.raises(RuntimeError, match="view size is not compatible"):
+        plain[:4].view(-1)
+    with pytest.raises(RuntimeError, match="view size is not compatible"):
+        table[:4].view(-1)
+    compiled = rope_dedup.RopeDedupBackend("eager", tables="recompute")
+    torch._dynamo.reset()
+    _, fresh = twins(route="matmul")
+    assert torch.equal(torch.compile(fresh, backend=compiled)(TOKENS), twin(TOKENS))
+
+
 # -- 6. state_dict entries are the table's memory ---------------------------------------------------------------
 
 def test_a_write_through_a_state_dict_entry_reaches_the_model():

@@ -51,6 +51,7 @@ class Recipe:
     shape: tuple[int, ...]
     pos_dim: int
     casts: tuple[torch.dtype, ...] = ()  # ``table.to(dtype)`` since, in order: each rounds the rows again
+    strides: tuple[int, ...] | None = None  # the table's strides where it is not contiguous (HF's matmul route)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -185,6 +186,7 @@ def find_recipe(tensor: torch.Tensor, table: RopeTable, theta: float | None, dim
         layout_parts=table.layout.parts, arrangement=table.layout.arrangement, repeat=table.layout.repeat,
         complex_step="polar", inv_freq=torch.empty(0, device=tensor.device, dtype=torch.float32),
         amplitude=None, precision=torch.float32, via=tensor.dtype, shape=tuple(tensor.shape), pos_dim=pos_dim,
+        strides=None if tensor.is_contiguous() else tuple(tensor.stride()),
     )
     steps = _COMPLEX_STEPS if base.arrangement is Arrangement.COMPLEX else ("polar",)
     given = [v for v in vectors if v.numel() == table.freqs.numel() and v.device == tensor.device]

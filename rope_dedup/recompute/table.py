@@ -130,9 +130,24 @@ class _State:
 
 
 def whole_values(recipe: Recipe) -> torch.Tensor:
-    """Every row of ``recipe``'s table, in its shape."""
+    """Every row of ``recipe``'s table, in its shape and, where it was not contiguous, its strides."""
     positions = torch.arange(recipe.length, device=recipe.inv_freq.device, dtype=torch.int64)
-    return recipe.rows(positions).reshape(recipe.shape)
+    values = recipe.rows(positions).reshape(recipe.shape)
+    if recipe.strides is None:
+        return values
+    laid = torch.empty_strided(recipe.shape, recipe.strides, dtype=values.dtype, device=values.device)
+    return laid.copy_(values)
+
+
+def _laid_out(values: torch.Tensor, strides: tuple[int, ...]) -> torch.Tensor:
+    """``values`` with its dims in memory in the order ``strides`` give them, densely (as ``empty_like`` keeps a
+    tensor's layout): rows of a table that is not contiguous, so that ops on them lay out results as torch
+    would for the table's own rows."""
+    order = sorted(range(values.dim()), key=lambda d: -strides[d])  # outermost first; ties keep dim order
+    if order == list(range(values.dim())):
+        return values
+    back = sorted(range(values.dim()), key=lambda d: order[d])
+    return values.permute(order).contiguous().permute(back)
 
 
 Step = tuple[Any, tuple, dict, "int | None"]  # (view op, its other arguments, kwargs, item of a list result)
@@ -316,9 +331,11 @@ class RecomputedTable(torch.Tensor):
 
 
 def _make(state: _State, steps: tuple[Step, ...], recipe: Recipe | None = None, rows: torch.Tensor | None = None,
-          offset: Any = 0, live: bool = False, like: torch.Tensor | None = None) -> RecomputedTable:
+          offset: Any = 0, live: bool = False, like: torch.Tensor | None = None,
+          strides: tuple[int, ...] | None = None) -> RecomputedTable:
     """A view of ``state``: the whole table computed on demand (``recipe``), or values already computed
-    (``rows``, with the storage offset torch would give the view). ``like`` gives the metadata instead."""
+    (``rows``, with the storage offset, and strides where they are not the rows' own, that torch would give the
+    view). ``like`` gives the metadata instead."""
     if like is not None:
         table = torch.Tensor._make_wrapper_subclass(RecomputedTable, like.shape, strides=like.stride(),
                                                     storage_offset=like.storage_offset(), dtype=like.dtype,
@@ -326,11 +343,12 @@ def _make(state: _State, steps: tuple[Step, ...], recipe: Recipe | None = None, 
         conj, neg = like.is_conj(), like.is_neg()
     elif rows is None:
         assert recipe is not None
-        table = torch.Tensor._make_wrapper_subclass(RecomputedTable, recipe.shape, dtype=recipe.dtype,
-                                                    device=recipe.inv_freq.device, requires_grad=False)
+        table = torch.Tensor._make_wrapper_subclass(RecomputedTable, recipe.shape, strides=recipe.strides,
+                                                    dtype=recipe.dtype, device=recipe.inv_freq.device,
+                                                    requires_grad=False)
         conj = neg = False
     else:
-        table = torch.Tensor._make_wrapper_subclass(RecomputedTable, rows.shape, strides=rows.stride(),
+        table = torch.Tensor._make_wrapper_subclass(RecomputedTable, rows.shape, strides=strides or rows.stride(),
                                                     storage_offset=offset, dtype=rows.dtype, device=rows.device,
                                                     requires_grad=False)
         conj, neg = rows.is_conj(), rows.is_neg()
@@ -549,8 +567,9 @@ def _alias(table: RecomputedTable, step: Step, shape: tuple[int, ...] | None = N
     """The same table seen with unit dims added or dropped; NotImplemented for any other reshape."""
     assert table.recipe is not None
     shape = tuple(table.shape) if shape is None else tuple(shape)
-    if [s for s in shape if s != 1] != [s for s in table.shape if s != 1]:
-        return NotImplemented
+    if [s for s in shape if s != 1] != [s for s in table.shape if s != 1] or \
+            (table.recipe.strides is not None and shape != tuple(table.shape)):
+        return NotImplemented  # a table that is not contiguous: its views' strides are torch's to compute
     pos_dim = position_dim(shape)
     if pos_dim is None:
         return NotImplemented
@@ -587,13 +606,17 @@ def _rows(table: RecomputedTable, step: Step, begin: Any, stop: Any, every: int,
     assert recipe is not None
     dim = recipe.pos_dim
 
+    strides = None if recipe.strides is None else \
+        tuple(st * every if d == dim else st for d, st in enumerate(table.stride()))
+
     def compute() -> torch.Tensor:
         rows = recipe.rows_in_place(_positions(begin, torch.sym_max(begin, stop), table))
+        rows = rows if recipe.strides is None else _laid_out(rows, recipe.strides)
         # A stepped slice is a strided view of the rows it spans: computed so, it has torch's strides.
         return rows if every == 1 else rows[(slice(None),) * dim + (slice(None, None, every),)]
 
     rows = _once_per_graph(table, ("slice", dim, begin, stop, every), compute)
-    return _make(table.state, table.steps + (step,), rows=rows, offset=offset)
+    return _make(table.state, table.steps + (step,), rows=rows, offset=offset, strides=strides)
 
 
 @_implements(aten.detach.default, aten.alias.default)
@@ -644,11 +667,16 @@ def _select(table: RecomputedTable, dim: int, index: int) -> Any:
         return _alias(table, (aten.select.int, (dim, index), {}, None),
                       tuple(table.shape[:dim]) + tuple(table.shape[dim + 1:]))
     index = index + size if index < 0 else index
-    rows = _once_per_graph(table, ("select", dim, index),
-                           lambda: table.recipe.rows_in_place(  # type: ignore[union-attr]
-                               _positions(index, index + 1, table)).squeeze(dim))
+    recipe = table.recipe
+    strides = None if recipe.strides is None else tuple(st for d, st in enumerate(table.stride()) if d != dim)
+
+    def compute() -> torch.Tensor:
+        row = recipe.rows_in_place(_positions(index, index + 1, table)).squeeze(dim)  # type: ignore[union-attr]
+        return row if strides is None else _laid_out(row, strides)
+
+    rows = _once_per_graph(table, ("select", dim, index), compute)
     return _make(table.state, table.steps + ((aten.select.int, (dim, index), {}, None),), rows=rows,
-                 offset=index * table.stride(dim))
+                 offset=index * table.stride(dim), strides=strides)
 
 
 @_implements(aten.index.Tensor)
