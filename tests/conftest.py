@@ -1,5 +1,5 @@
-"""Shared test set-up: examples/ importable, a clean dynamo state and a private inductor cache per test, and
-the device the device-generic tests put their tables and inputs on.
+"""Shared test set-up: examples/ importable, a clean dynamo state and a private inductor cache per test, the
+device the device-generic tests put their tables and inputs on, and the op harness's end-of-run summary.
 
 ``ROPE_DEDUP_TEST_DEVICE`` (default ``cpu``) names that device: ``ROPE_DEDUP_TEST_DEVICE=cuda pytest -m device``
 runs every test that takes the ``device`` fixture (they carry the ``device`` mark) on the GPU, and skips them
@@ -71,3 +71,19 @@ def pytest_collection_modifyitems(config, items) -> None:
     for item in items:
         if "device" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.device)
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """The op harness's counts (tests/test_recompute_ops.py), added up over every test that ran, on any
+    pytest-xdist worker: what ran, and each sample or run left out with its reason."""
+    totals: dict[str, int] = {}
+    for reports in terminalreporter.stats.values():
+        for report in reports:
+            for name, counts in getattr(report, "user_properties", ()):
+                if name == "recompute_ops" and getattr(report, "when", None) == "call":
+                    for key, n in counts.items():
+                        totals[key] = totals.get(key, 0) + n
+    if totals:
+        terminalreporter.section("recomputed tables against plain tables, op by op")
+        for key in sorted(totals, key=lambda k: (k.startswith("excluded"), k)):
+            terminalreporter.write_line(f"{totals[key]:>8}  {key}")
