@@ -193,6 +193,7 @@ class sharing:  # noqa: N801 (used as a context manager, like torch.no_grad)
             replacement, recomputed, refusal = self._converter.convert(tensor, label, module=module)
             if replacement is not None:
                 if recomputed is not None:  # else converted at an earlier registration: one table, two holders
+                    replacement.state.owner = (weakref.ref(module), name)
                     self._recomputed.append((recomputed, weakref.ref(replacement)))
                     self._builder_writes.watch(tensor, replacement)  # type: ignore[union-attr]
                 keep_values_in_state_dict(module)  # persistence is set after this hook: keep the values either way

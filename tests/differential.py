@@ -241,6 +241,15 @@ def _as_bits(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
     return t.view(ints), t.isnan()
 
 
+def agree(a: torch.Tensor, b: torch.Tensor, values: str) -> bool:
+    """Values compared as ``values`` says: "bits", or "close" (within LAPACK's float32 tolerance), for the ops whose
+    other path torch itself takes for any tensor subclass (``VALUES_CLOSE``)."""
+    if values == "close":
+        return a.shape == b.shape and a.dtype == b.dtype and bool(
+            torch.isclose(a, b, rtol=1e-4, atol=1e-5, equal_nan=True).all())
+    return same_bits(a, b)
+
+
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.shape != b.shape or a.dtype != b.dtype:
         return False
@@ -257,7 +266,7 @@ def _shares(t: torch.Tensor, base: torch.Tensor) -> bool:
             and t.untyped_storage().nbytes() > 0)
 
 
-def tensor_differences(p: torch.Tensor, r: torch.Tensor, plain_base: torch.Tensor, values: bool
+def tensor_differences(p: torch.Tensor, r: torch.Tensor, plain_base: torch.Tensor, values: str
                        ) -> list[tuple[str, str]]:
     """How recomputed result ``r`` differs from plain result ``p``."""
     if (p.dtype, p.shape, p.layout) != (r.dtype, r.shape, r.layout):
@@ -279,7 +288,7 @@ def tensor_differences(p: torch.Tensor, r: torch.Tensor, plain_base: torch.Tenso
         got = call(lambda: read(r))
         if got.error is not None:
             found.append((NEW_ERRORS, f"reading it raises {type(got.error).__name__} ({str(got.error)[:80]!r})"))
-        elif not same_bits(read(p), got.value):
+        elif not agree(read(p), got.value, values):
             found.append((VALUES, "values differ"))
     return found
 
@@ -298,7 +307,7 @@ def _same_leaf(a: Any, b: Any) -> bool:
 
 
 def outcome_differences(plain: Outcome, rec: Outcome, tw: Twins, names: Callable[[], set[str]],
-                        values: bool, identities: list[Any]) -> tuple[list[tuple[str, str]], bool]:
+                        values: str, identities: list[Any]) -> tuple[list[tuple[str, str]], bool]:
     """How the recomputed run differs from the plain one, and whether it refused with the clear error.
     ``identities`` pairs objects a result may be (the input, the out= tensors): a result is one of them on
     one side exactly when it is on the other."""
@@ -337,9 +346,11 @@ def snapshot(tw: Twins) -> tuple[torch.Tensor, torch.Tensor]:
     return tw.plain_base.clone(), tw.plain.clone()
 
 
-def state_differences(tw: Twins, before: tuple[torch.Tensor, torch.Tensor] | None = None) -> list[tuple[str, str]]:
+def state_differences(tw: Twins, before: tuple[torch.Tensor, torch.Tensor] | None = None, values: str = "bits"
+                      ) -> list[tuple[str, str]]:
     """Whether the two tables, and the inputs taken from them, still hold the same values and shapes: a write
-    (or a metadata change) that landed on one side only. ``before``: the twin refused, and holds what it held."""
+    (or a metadata change) that landed on one side only. ``before``: the twin refused, and holds what it held.
+    ``values``: how the op's values compare (an out= write puts them in the table)."""
     found = []
     p_base, p_input = before or (tw.plain_base, tw.plain)
     for what, p, r in (("table", p_base, tw.rec_base), ("input", p_input, tw.rec)):
@@ -349,7 +360,7 @@ def state_differences(tw: Twins, before: tuple[torch.Tensor, torch.Tensor] | Non
         got = call(lambda: read(r))
         if got.error is not None:
             found.append((NEW_ERRORS, f"reading the recomputed {what} raises {type(got.error).__name__}"))
-        elif not same_bits(read(p).flatten()[:tw.numel[what]], got.value.flatten()[:tw.numel[what]]):
+        elif values and not agree(read(p).flatten()[:tw.numel[what]], got.value.flatten()[:tw.numel[what]], values):
             found.append((WRITES, f"{what} values differ"))
     return found
 
@@ -371,7 +382,7 @@ def _leaf(outcome: Outcome, i: int) -> Any:
 # -- one run -----------------------------------------------------------------------------------------------------
 
 def run_variant(op: OpInfo, sample: SampleInput, placement: str, variant: str, kind: str, tally: Tally,
-                values: bool = True) -> Iterator[tuple[str, str]]:
+                values: str = "bits") -> Iterator[tuple[str, str]]:
     """Run ``variant`` of ``op`` on fresh twins with the table at ``placement``; yield (cause, what) for each
     difference: the call, the tables after it, then a write through each tensor result."""
     x = first_tensor(sample)
@@ -398,7 +409,7 @@ def run_variant(op: OpInfo, sample: SampleInput, placement: str, variant: str, k
     found, refused = outcome_differences(plain, rec, tw, names, values, list(zip(p_objects, r_objects)))
     tally.refused += refused
     yield from found
-    yield from state_differences(tw, before if refused else None)
+    yield from state_differences(tw, before if refused else None, values)
     if refused or plain.error is not None or rec.error is not None or found:
         return
     for i, p in result_tensors(plain):
@@ -409,7 +420,7 @@ def run_variant(op: OpInfo, sample: SampleInput, placement: str, variant: str, k
         tally.refused += refused
         yield from ((WRITES if c == VALUES else c, f"write into output {i}: {w}") for c, w in written)
         yield from ((c, f"after a write into output {i}: {w}")
-                    for c, w in state_differences(tw, before if refused else None))
+                    for c, w in state_differences(tw, before if refused else None, values))
         if refused:
             return  # the twins parted ways here, as they may: later writes would compare nothing
         if values and p_wrote.error is None and r_wrote.error is None:
@@ -417,7 +428,7 @@ def run_variant(op: OpInfo, sample: SampleInput, placement: str, variant: str, k
                         for c, w in tensor_differences(p, r, tw.plain_base, values))
 
 
-def run_gradients(op: OpInfo, sample: SampleInput, placement: str, kind: str, tally: Tally, values: bool = True
+def run_gradients(op: OpInfo, sample: SampleInput, placement: str, kind: str, tally: Tally, values: str = "bits"
                   ) -> Iterator[tuple[str, str, str]]:
     """Gradients through the twins, in eager: ``op(x * input)`` (if the op has a backward) and
     ``op(input) * x``, each to a weighted scalar loss; yield (variant, cause, what) for each difference."""
@@ -435,7 +446,7 @@ def run_gradients(op: OpInfo, sample: SampleInput, placement: str, kind: str, ta
             tally.exclude(tw)
             continue
         tally.calls += 1
-        for cause, what in check(op, sample, tw, tally):
+        for cause, what in check(op, sample, tw, tally, values):
             yield variant, cause, what
 
 
@@ -455,9 +466,9 @@ def _float_outputs(value: Any) -> list[torch.Tensor]:
 
 
 def _grad_differences(op: OpInfo, sample: SampleInput, plain: Outcome, rec: Outcome, xs: tuple[torch.Tensor, ...],
-                      tw: Twins, tally: Tally) -> Iterator[tuple[str, str]]:
+                      tw: Twins, tally: Tally, values: str) -> Iterator[tuple[str, str]]:
     names = lambda: op_names(op, lambda: invoke(op.op, sample, tw.plain))  # noqa: E731
-    found, refused = outcome_differences(plain, rec, tw, names, True, [])
+    found, refused = outcome_differences(plain, rec, tw, names, values, [])
     tally.refused += refused
     yield from ((GRADS if c == VALUES else c, f"loss: {w}") for c, w in found)
     if refused or found or plain.error is not None:
@@ -465,11 +476,11 @@ def _grad_differences(op: OpInfo, sample: SampleInput, plain: Outcome, rec: Outc
     p_grad, r_grad = (x.grad for x in xs)
     if (p_grad is None) != (r_grad is None):
         yield GRADS, f"x.grad is {'None' if p_grad is None else 'set'} vs {'None' if r_grad is None else 'set'}"
-    elif p_grad is not None and not same_bits(read(p_grad), read(r_grad)):  # type: ignore[arg-type]
+    elif p_grad is not None and not agree(read(p_grad), read(r_grad), values):  # type: ignore[arg-type]
         yield GRADS, "x.grad differs"
 
 
-def _grad_in(op: OpInfo, sample: SampleInput, tw: Twins, tally: Tally) -> Iterator[tuple[str, str]]:
+def _grad_in(op: OpInfo, sample: SampleInput, tw: Twins, tally: Tally, values: str) -> Iterator[tuple[str, str]]:
     """x (requires grad) times the input, then the op, then the loss: x.grad reads the table's values as the
     backward of a product sees them (their conjugate, for complex tables)."""
     xs = tuple(_weights(tw.plain.shape, tw.plain.dtype).requires_grad_() for _ in range(2))
@@ -488,10 +499,10 @@ def _grad_in(op: OpInfo, sample: SampleInput, tw: Twins, tally: Tally) -> Iterat
         tally.exclude("grad_in: no output requires grad")
         return
     rec = call(lambda: forward_backward(xs[1], tw.rec))
-    yield from _grad_differences(op, sample, plain, rec, xs, tw, tally)
+    yield from _grad_differences(op, sample, plain, rec, xs, tw, tally, values)
 
 
-def _grad_out(op: OpInfo, sample: SampleInput, tw: Twins, tally: Tally) -> Iterator[tuple[str, str]]:
+def _grad_out(op: OpInfo, sample: SampleInput, tw: Twins, tally: Tally, values: str) -> Iterator[tuple[str, str]]:
     """The op on the input, then times x (requires grad), then the loss: x.grad reads the op's first float or
     complex output as autograd sees it (its conj and neg bits included)."""
     # x takes the shape of the op's output: a probe on a copy finds it, and leaves the twins as they were
@@ -508,7 +519,7 @@ def _grad_out(op: OpInfo, sample: SampleInput, tw: Twins, tally: Tally) -> Itera
 
     plain = call(lambda: forward_backward(xs[0], tw.plain))
     rec = call(lambda: forward_backward(xs[1], tw.rec))
-    yield from _grad_differences(op, sample, plain, rec, xs, tw, tally)
+    yield from _grad_differences(op, sample, plain, rec, xs, tw, tally, values)
 
 
 class _NoGradient(Exception):

@@ -363,6 +363,33 @@ def test_a_recomputed_table_holds_no_storage_until_written():
     assert table.materialized is not None and table.materialized.data_ptr() != 0
 
 
+# -- a forward that writes its own table ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("regional", [False, True], ids=["whole", "regional"])
+def test_a_forward_that_writes_its_own_table_compiles_and_computes_what_eager_computes(regional):
+    """Each block scales its own cos in place, then reads it: the trace that meets the write gives every block's
+    table of that name its values (as the first eager call would), the frame breaks at the write, and later calls
+    compile nothing more."""
+    from helpers import WritesItsTable, compile_model
+    from torch._dynamo.utils import counters
+
+    model, twin = twins(layers=4)
+    for m in (model, twin):
+        for i, block in enumerate(m.layers):
+            m.layers[i] = WritesItsTable(block)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = compile_model(model, "aot_eager", regional)
+    with torch.no_grad():
+        assert torch.equal(compiled(TOKENS), twin(TOKENS))
+        graphs = counters["stats"]["unique_graphs"]
+        for _ in range(2):
+            assert torch.equal(compiled(TOKENS), twin(TOKENS))
+    assert counters["stats"]["unique_graphs"] == graphs
+    written = [getattr(b, "_orig_mod", b).block.attention.rope.cos for b in model.layers]
+    assert all(isinstance(t, RecomputedTable) and not t.is_recomputed for t in written)
+
+
 # -- the rule's error, where a view no longer leads to its table --------------------------------------------------
 
 def test_writing_rows_cut_off_from_their_table_says_how_to_write_tables():

@@ -240,6 +240,7 @@ def _other_views(*models: torch.nn.Module) -> dict[int, str]:
 def put_table(module: torch.nn.Module, name: str, table: RecomputedTable, persistent: bool) -> None:
     """Put ``table`` in ``name``'s place; a persistent one's ``state_dict`` entry holds its values."""
     _put(module, name, table)
+    table.state.owner = (weakref.ref(module), name)
     if persistent:
         keep_values_in_state_dict(module)
 

@@ -37,7 +37,7 @@ import torch
 from torch._subclasses.fake_tensor import is_fake
 from torch.fx.experimental.proxy_tensor import get_proxy_mode
 from torch.utils._mode_utils import no_dispatch
-from torch.utils._python_dispatch import get_alias_info, return_and_correct_aliasing
+from torch.utils._python_dispatch import _disable_current_modes, get_alias_info, return_and_correct_aliasing
 from torch.utils._pytree import tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -65,6 +65,8 @@ class _State:
     written_by: str | None = None
     whole_reads: dict[str, int] = field(default_factory=dict)  # op -> times it computed the whole table
     entry: tuple[weakref.ref, int] | None = None  # the live state_dict entry and its version when it was made
+    owner: tuple[weakref.ref, str] | None = None  # the module and attribute the table was put in
+    link: weakref.ref | None = None  # while a graph is traced: the real table this traced one stands for
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property
@@ -81,9 +83,12 @@ class _State:
                                f"table (rows a compiled graph returned without aliasing its input): the write would "
                                f"be lost; {UNSHARE}")
         if is_fake(self.recipe.inv_freq):
-            raise RuntimeError(f"rope_dedup: a compiled graph writes a recomputed table ({op}): a table that is "
-                               f"written is not recomputed. Build this model without tables=\"recompute\", or call "
-                               f"rope_dedup.unshare(model) before compiling")
+            real = self.link() if self.link is not None else None
+            if real is not None and _dynamo_tracing():
+                _written_while_traced(real, op)
+            raise RuntimeError(f"rope_dedup: a graph being traced writes a recomputed table ({op}) it cannot give "
+                               f"a storage: a table that is written is not recomputed. Build this model without "
+                               f"tables=\"recompute\", or call rope_dedup.unshare(model) before tracing")
         with self.lock:
             if self.materialized is None:
                 self.materialized = whole_values(self.recipe)
@@ -127,6 +132,63 @@ class _State:
                 self.entry = (self.entry[0], memory._version)
             else:
                 self.adopt(values, "its state_dict entry")
+
+
+def _dynamo_tracing() -> bool:
+    """Whether dynamo is tracing a frame now (its fake-tensor run of an op calls into this dispatch)."""
+    from torch._dynamo.symbolic_convert import InstructionTranslator
+
+    try:
+        return InstructionTranslator.current_tx() is not None
+    except Exception:  # no frame being traced
+        return False
+
+
+def _written_while_traced(real: _State, op: str) -> None:
+    """A graph dynamo traces writes a recomputed table: give the real table its storage now, as the write would
+    in eager, and every table held under the same name by a module of the same class (the graph of every such
+    block writes it alike: one recompile, not one per block), then trace again, with tables that hold values."""
+    from torch._dynamo.exc import Unsupported
+
+    from rope_dedup.core.sources import compiling_modules
+
+    states = [real]
+    owner = real.owner[0]() if real.owner is not None else None
+    if owner is not None:
+        name = real.owner[1]  # type: ignore[index]
+        for root in compiling_modules(owner) or [owner]:
+            for module in root.modules():
+                held = module._buffers.get(name, vars(module).get(name)) if type(module) is type(owner) else None
+                if isinstance(held, RecomputedTable):
+                    states.append(held.state)
+    with _disable_current_modes():  # real tables, computed outside the trace's fake mode
+        for state in states:
+            state.materialize(op)
+    # A graph break: dynamo traces the frame again, and finds the tables holding their values.
+    raise Unsupported(f"rope_dedup: recomputed table {real.label} is written by the graph ({op}): it holds its "
+                      f"values now")
+
+
+class _Link:
+    """The real table a traced one stands for, carried in the flatten context. Every link equals every other
+    (guards and caches compare contexts across layers) and pickles as an empty one."""
+
+    __slots__ = ("state",)
+
+    def __init__(self, state: _State | None = None) -> None:
+        self.state = weakref.ref(state) if state is not None else None
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Link)
+
+    def __hash__(self) -> int:
+        return 0
+
+    def __repr__(self) -> str:
+        return "link"
+
+    def __reduce__(self) -> tuple:
+        return _Link, ()
 
 
 def whole_values(recipe: Recipe) -> torch.Tensor:
@@ -235,7 +297,7 @@ class RecomputedTable(torch.Tensor):
             return ["rows"], ("memory", self.storage_offset())
         if self.recipe is None:
             return ["rows"], ("rows", self.storage_offset())
-        return ["inv_freq"], _context(self.recipe)
+        return ["inv_freq"], (*_context(self.recipe), _Link(self.state))
 
     @staticmethod
     def __tensor_unflatten__(inner: dict[str, torch.Tensor], context: tuple, outer_size: Any,
@@ -244,9 +306,9 @@ class RecomputedTable(torch.Tensor):
             rows = inner["rows"]
             state = _State("", None, materialized=rows if context[0] == "memory" else None)
             return _make(state, (), rows=rows, offset=context[1], live=context[0] == "memory")
-        fields, _ = context
+        fields, _, link = context
         recipe = Recipe(**dict(fields), inv_freq=inner["inv_freq"])
-        return _make(_State("", recipe), (), recipe=recipe)
+        return _make(_State("", recipe, link=link.state), (), recipe=recipe)
 
     def __reduce_ex__(self, protocol: Any) -> tuple:  # pickle, torch.save: the recipe, not the values
         if self.recipe is None or self.steps:  # a view: its values, as pickling a view of a table gives
@@ -433,7 +495,7 @@ def _read(func: Any, args: tuple, kwargs: dict) -> Any:
                 arg.state.materialize(op)
                 seen[id(arg)] = arg._plain()
             else:
-                seen[id(arg)] = _values_for(arg, op)
+                seen[id(arg)] = _values_for(arg, op, func in _READ_MEMORY)
         return seen[id(arg)]
 
     plain_args, plain_kwargs = tree_map(values, args), tree_map(values, kwargs)
@@ -448,6 +510,8 @@ def _read(func: Any, args: tuple, kwargs: dict) -> Any:
         computed = _argument(func, plain_args, plain_kwargs, arg_index)
         rest = tuple(tree_map(lambda a: seen.get(id(a), a), args[1:]))
         made = out[out_index] if isinstance(out, tuple) else out
+        if not _same_memory(made, computed):  # an op that may alias and made a copy (``to`` another dtype)
+            return out
         if isinstance(made, (list, tuple)):
             made = type(made)(_view_of(table, computed, (func, rest, kwargs, i), o) for i, o in enumerate(made))
         else:
@@ -456,11 +520,27 @@ def _read(func: Any, args: tuple, kwargs: dict) -> Any:
     return return_and_correct_aliasing(func, args, kwargs, out)
 
 
-def _values_for(table: RecomputedTable, op: str) -> torch.Tensor:
-    """The values ``op`` reads of ``table``: its storage once written, its rows, or the whole table computed."""
+def _same_memory(made: Any, computed: torch.Tensor) -> bool:
+    """Whether ``made`` (a tensor, or a list of them) views ``computed``'s memory."""
+    first = made[0] if isinstance(made, (list, tuple)) and made else made
+    # The storage's own identity (``_cdata``): fake tensors have storages, not addresses.
+    return isinstance(first, torch.Tensor) and first.untyped_storage()._cdata == computed.untyped_storage()._cdata
+
+
+# Ops that read memory by position (a storage offset and strides), not a tensor's elements: a view of a table that
+# holds no memory is read through the whole table's values, laid out as the table's memory.
+_READ_MEMORY = {aten.as_strided.default, aten.as_strided_copy.default, aten.as_strided_scatter.default}
+
+
+def _values_for(table: RecomputedTable, op: str, memory: bool = False) -> torch.Tensor:
+    """The values ``op`` reads of ``table``: its storage once written, its rows, or the whole table computed
+    (``memory``: the values at this tensor's place in the table's memory, for an op that reads memory)."""
     table.state.sync()
     if table.state.materialized is not None:
         return table._plain()
+    recipe = table.state.recipe
+    if memory and (table.recipe is None or table.steps) and recipe is not None:
+        return whole_values(recipe).as_strided(table.shape, table.stride(), table.storage_offset())
     if table.recipe is None:
         return table.rows  # type: ignore[return-value]
     state = table.state
@@ -475,8 +555,9 @@ def _view_of(table: RecomputedTable, computed: torch.Tensor, step: Step, value: 
     offset in the table's memory, and a view of that memory once there is one."""
     if step[0] is aten.as_strided.default:  # positions in memory itself: from the table's own storage offset
         offset = value.storage_offset()
-    else:
-        offset = table.storage_offset() + value.storage_offset() - computed.storage_offset()
+    else:  # in bytes: a view may change the dtype (view_as_real, .real)
+        offset = (table.storage_offset() * table.element_size() + value.storage_offset() * value.element_size()
+                  - computed.storage_offset() * computed.element_size()) // value.element_size()
     return _make(table.state, table.steps + (step,), rows=value, offset=offset, live=table.live)
 
 
@@ -506,6 +587,7 @@ def _write(func: Any, args: tuple, kwargs: dict, written: list[RecomputedTable])
     """Give each written table a storage, run ``func`` on it, and carry any metadata change to the wrapper."""
     op = _op_name(func)
     repoints = func.overloadpacket is aten.set_  # set_ replaces what the tensor views: its old values are not read
+    reshapes = _may_change_metadata(func)
     if not repoints:
         for table in written:
             table.state.materialize(op)
@@ -516,9 +598,9 @@ def _write(func: Any, args: tuple, kwargs: dict, written: list[RecomputedTable])
         if not isinstance(arg, RecomputedTable):
             return arg
         if any(arg is t for t in written):
-            if id(arg) not in targets:  # a fresh alias: a metadata change must reach this wrapper alone
+            if id(arg) not in targets:  # a fresh alias where metadata may change: it must reach this wrapper alone
                 targets[id(arg)] = torch.empty(0, dtype=arg.dtype, device=arg.device) if repoints \
-                    else aten.alias.default(arg._plain())
+                    else aten.alias.default(arg._plain()) if reshapes else arg._plain()
             return targets[id(arg)]
         if id(arg) not in seen:
             if repoints:  # set_'s source is aliased, not read: it needs its memory
@@ -528,13 +610,26 @@ def _write(func: Any, args: tuple, kwargs: dict, written: list[RecomputedTable])
                 seen[id(arg)] = _values_for(arg, op)
         return seen[id(arg)]
 
-    out = func(*tree_map(values, args), **tree_map(values, kwargs))
-    for table in written:
-        memory = targets[id(table)]
-        if (memory.shape, memory.stride(), memory.storage_offset(), memory.is_conj(), memory.is_neg()) != \
-                (table.shape, table.stride(), table.storage_offset(), table.is_conj(), table.is_neg()) or repoints:
-            table._rebase(memory)
+    ran = False
+    try:
+        out = func(*tree_map(values, args), **tree_map(values, kwargs))
+        ran = True
+    finally:  # a metadata change stays made when the op then raises (torch resizes an out= before it checks)
+        for table in written:
+            memory = targets.get(id(table))
+            if memory is not None and ((repoints and ran) or (not repoints and _metadata(memory) != _metadata(table))):
+                table._rebase(memory)
     return _returned(func, args, kwargs, out)
+
+
+def _metadata(t: torch.Tensor) -> tuple:
+    return t.shape, t.stride(), t.storage_offset(), t.is_conj(), t.is_neg()
+
+
+def _may_change_metadata(func: Any) -> bool:
+    """Whether ``func`` may change what a tensor it writes views (``t_``, ``resize_``, an ``out=`` resized)."""
+    return torch.Tag.inplace_view in func.tags or func.overloadpacket in (aten.resize_, aten.resize_as_) or \
+        any(a.alias_info is not None and a.alias_info.is_write and a.kwarg_only for a in func._schema.arguments)
 
 
 def _returned(func: Any, args: tuple, kwargs: dict, out: Any) -> Any:
