@@ -488,7 +488,10 @@ def measure_turns(config: ProfileConfig) -> dict[str, Any]:
     for name in [*models, *modes]:
         model = models[name] if name in models else build_inputs(config)[0]
         regional = name in ("regional", ALONE_REGIONAL)
-        own_code(*_blocks_by_class(regional_blocks(model, config.regional))) if regional else own_code(model)
+        if regional:
+            own_code(*_blocks_by_class(regional_blocks(model, config.regional)))
+        else:
+            own_code(model)
         if name in models:
             run: Callable = _compiled_alone(model, config, regional)
         else:

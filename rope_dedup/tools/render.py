@@ -203,8 +203,8 @@ def _targets_table(targets: list[dict], summary: dict[str, Any], inner: str) -> 
     if "first_call_ratio" in summary:
         rows.append(Row(("first call rope_dedup / alone", f"{summary['first_call_ratio']:.2f}", "", "")))
     return Table(f"Ratios (rope_dedup over {inner} alone) and targets", ("ratio", "measured", "target", ""),
-                 tuple(rows), "A step-time ratio is not met only beyond the A/A control's spread; within it, "
-                              "a run on another minute of the machine could read either way.")
+                 tuple(rows), "A step-time target fails only beyond the A/A control's spread; within it, a run on "
+                              "another minute of the machine could read either way.")
 
 
 def _bytes_or_dash(value: int | None) -> str:
