@@ -540,8 +540,9 @@ def audit_model(model: torch.nn.Module, config: ProfileConfig) -> dict[str, Any]
     from rope_dedup.audit.spec import RopeSpec
 
     if config.factory is None:
-        expect: Any = {f"{config.regional}.{i}": RopeSpec(block.attention.rope.spec.theta)
-                       for i, block in enumerate(regional_blocks(model, config.regional))}
+        # Each layer (a block: layers.0) against the theta its Rope module (layers.0.attention.rope) was built with.
+        expect: Any = {name.removesuffix(".attention.rope"): RopeSpec(module.spec.theta)
+                       for name, module in model.named_modules() if isinstance(module, toy.Rope)}
         expected = "each layer's theta as built"
     elif getattr(model, "config", None) is not None:
         expect, expected = "config", "the model's config"
