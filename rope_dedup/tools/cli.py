@@ -194,7 +194,7 @@ def _profile(args: argparse.Namespace, console, error_console) -> int:
         plot_profile(result, args.plot)
         console.print(f"wrote {args.plot}")
     failed = [(_progress_label(mode, config.inner), r["error"]) for mode, r in
-              [*result["modes"].items(), (prof.TURNS, result["turns"] or {})] if "error" in r]
+              [*result["modes"].items(), (prof.TURNS, result.get("turns") or {})] if "error" in r]
     for label, error in failed:
         print(f"rope-dedup profile: error: {label}: {error}", file=sys.stderr)
     return RUN_ERROR if failed else 0

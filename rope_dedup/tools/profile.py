@@ -778,7 +778,8 @@ def check_targets(summary: dict[str, Any]) -> list[tuple[str, str, float, float,
             continue
         value = summary[key]
         if key in STEP_TARGETS:
-            rows.append((key, label, value, limit, how, verdict(value, limit, summary["step_noise"])))
+            if "step_noise" in summary:  # without its A/A control (a result from separate processes): not judged
+                rows.append((key, label, value, limit, how, verdict(value, limit, summary["step_noise"])))
             continue
         met = abs(value - limit) < 1e-9 if how == "==" else value >= limit if how == ">=" else value <= limit
         rows.append((key, label, value, limit, how, "met" if met else "not met"))
@@ -802,8 +803,9 @@ def turns_label(name: str, inner: str) -> str:
 
 def describe_config(config: dict[str, Any]) -> str:
     """One line naming the profiled model and how it ran (``config`` as in the result: a dict)."""
-    steps = (f"{'training (forward, backward, AdamW) ' if config.get('train') else ''}step median of "
-             f">= {config['steps']} steps and >= {config['step_seconds']:g} s")
+    timed = f"step time over {config['rounds']} rounds in turns" if config.get("rounds") else "no step-time rounds"
+    steps = (f"{'training (forward, backward, AdamW) ' if config.get('train') else ''}memory over >= "
+             f"{config['steps']} steps and >= {config['step_seconds']:g} s, {timed}")
     if config.get("factory"):
         regional = f", regional blocks {config['regional']}" if "regional" in config["modes"] else ""
         return (f"{config['factory']}(){regional}, {config['device']}, {config['threads']} thread(s); "
