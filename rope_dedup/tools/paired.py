@@ -94,7 +94,7 @@ class Paired:
     @property
     def spread(self) -> float:
         """How far from 1 this ratio may be read while nothing differs: for an A/A control, the noise floor."""
-        return max(self.high - 1.0, 1.0 - self.low, abs(self.ratio - 1.0))
+        return max(self.high - 1.0, 1.0 - self.low)  # the interval holds the median: its offset from 1 too
 
 
 def verdict(ratio: float, limit: float, noise: float) -> str:
