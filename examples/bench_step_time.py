@@ -4,25 +4,26 @@
     python examples/bench_step_time.py --device cuda --realistic  # CUDA events, plus one realistic shape
     python examples/bench_step_time.py --layers 4 --rounds 20     # a quick look
 
-For each case two copies of one toy decoder (same weights, one RoPE cos/sin table per layer) are compiled,
-one with ``inductor`` and one with ``RopeDedupBackend()`` (inductor inside), whole or per block (regional,
-torchtitan's way). After a warm-up, the two take turns call by call, A B then B A in the next round, so that
-whatever else the machine does hits both alike. On CUDA each call is timed with CUDA events and synchronized
-before the next, so a launch-bound step counts its host time too. Tiny inputs (one token, batch 1) make
-fixed per-call costs show: dynamo's guards, the wrapper rope_dedup returns, the pointer check of run-time
-interning.
+For each case three copies of one toy decoder (same weights, one RoPE cos/sin table per layer) are compiled:
+one with ``inductor``, a second with ``inductor`` (the A/A control) and one with ``RopeDedupBackend()``
+(inductor inside), whole or per block (regional, torchtitan's way). Each model gets code objects of its own
+(``rope_dedup.tools.paired.own_code``), as a process that runs one model has: models sharing a code object
+would each check the others' compiled guards first on every call. After a warm-up, the models take turns call
+by call, A B C then C B A in the next round (``rope_dedup.tools.paired.take_turns``), so that whatever else
+the machine does hits all alike. On CUDA each call is timed with CUDA events and synchronized before the next,
+so a launch-bound step counts its host time too. Tiny inputs (one token, batch 1) make fixed per-call costs
+show: dynamo's guards, the wrapper rope_dedup returns, the pointer check of run-time interning.
 
 Each case runs in ``--processes`` fresh processes, one after another (4 by default): one process's memory
 layout (where each model's tensors and compiled code landed) biases its times by a percent or two either way
-for the whole run, which interleaving cannot cancel; an A/A run of two identical rope_dedup models in one
-process read 1.01 to 1.02. pyperf spreads its runs over processes for the same reason. The model built
-first (the other is its deep copy), compiled and called first, runs faster: two inductor models read 1.007
-to 1.023 at 126 layers whole. So every other process gives that place to rope_dedup, and an even number of
-processes cancels it.
+for the whole run, which interleaving cannot cancel. The A/A control reads that bias and the noise in the
+same process: a rope_dedup figure as far from 1 as the control's is no measured cost. The model built first
+(the others are its deep copies), compiled and called first, runs faster, so every other process builds
+rope_dedup's model first, and an even number of processes cancels it.
 
-Printed per case: the median step of each, the ratio of the medians and the median of the per-round ratios
-(each rope_dedup call over the inductor call beside it), each process's paired ratio, and the median of
-those: the figure to hold against a target.
+Printed per case: the median step of each, and per process the paired ratios (each the median of per-round
+ratios over the inductor call of the same round) of rope_dedup and of the A/A control; then the median of
+each over the processes: the figures to hold against a target, side by side.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ import torch  # noqa: E402
 
 from rope_dedup import RopeDedupBackend  # noqa: E402
 from rope_dedup.testing import toy_decoder as toy  # noqa: E402
+from rope_dedup.tools.paired import Paired, cpu_timer, cuda_timer, own_code, take_turns, verdict  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -73,48 +75,32 @@ def build(case: Case, device: str) -> torch.nn.Module:
 
 
 def compiled(model: torch.nn.Module, backend: Any, regional: bool) -> Callable:
+    """``model`` compiled whole or block by block, with code objects of its own (see the docstring)."""
     if not regional:
+        own_code(model)
         return torch.compile(model, backend=backend)
+    own_code(*model.layers)
     for i, block in enumerate(model.layers):
         model.layers[i] = torch.compile(block, backend=backend)
     return model
 
 
-def timer(device: str) -> Callable[[Callable[[], Any]], float]:
-    """Seconds one call takes: CUDA events around it on CUDA (synchronized), perf_counter on CPU."""
-    if device == "cuda":
-        def cuda_time(call: Callable[[], Any]) -> float:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda.synchronize()
-            start.record()
-            call()
-            end.record()
-            end.synchronize()
-            return start.elapsed_time(end) / 1e3
-        return cuda_time
-
-    def cpu_time(call: Callable[[], Any]) -> float:
-        began = time.perf_counter()
-        call()
-        return time.perf_counter() - began
-    return cpu_time
+MODELS = ("inductor", "inductor again", "rope_dedup")  # "inductor": the inner backend alone; "again": the A/A control
 
 
 def measure(case: Case, device: str, rounds: int, warmup: int, inner: str = "inductor",
             rope_dedup_first: bool = False) -> dict[str, Any]:
-    """One process's figures. The model built first (the other is its deep copy) and compiled and called
+    """One process's figures. The model built first (the others are its deep copies) and compiled and called
     first runs a little faster for the whole process (two inductor models: 1.007 to 1.023 at 126 layers,
     whole): ``rope_dedup_first`` gives that place to rope_dedup, and the bench alternates it."""
     torch._dynamo.reset()
     first = build(case, device)
-    second = copy.deepcopy(first)
-    tokens = torch.randint(0, 256, (case.batch, case.seq), generator=torch.Generator().manual_seed(0)).to(device)
+    models = [first, copy.deepcopy(first), copy.deepcopy(first)]
+    order = MODELS[::-1] if rope_dedup_first else MODELS  # the A/A control stays in the middle
     backend = RopeDedupBackend(inner)
-    reference, twin = (second, first) if rope_dedup_first else (first, second)
-    calls = {"inductor": lambda: compiled(reference, inner, case.regional),
-             "rope_dedup": lambda: compiled(twin, backend, case.regional)}
-    made = {name: calls[name]() for name in (("rope_dedup", "inductor") if rope_dedup_first else calls)}
-    plain, deduped = made["inductor"], made["rope_dedup"]
+    made = {name: compiled(model, backend if name == "rope_dedup" else inner, case.regional)
+            for name, model in zip(order, models)}
+    tokens = torch.randint(0, 256, (case.batch, case.seq), generator=torch.Generator().manual_seed(0)).to(device)
     firsts: dict[str, float] = {}
     outputs: dict[str, Any] = {}
     with torch.no_grad():
@@ -122,27 +108,20 @@ def measure(case: Case, device: str, rounds: int, warmup: int, inner: str = "ind
             began = time.perf_counter()
             outputs[name] = made[name](tokens)
             firsts[name] = time.perf_counter() - began
-        torch.testing.assert_close(outputs["rope_dedup"], outputs["inductor"], rtol=0, atol=0)
-        for _ in range(warmup):
-            plain(tokens)
-            deduped(tokens)
-        time_one = timer(device)
-        times: dict[str, list[float]] = {"inductor": [], "rope_dedup": []}  # "inductor": the inner alone
-        for i in range(rounds):
-            order = [("inductor", plain), ("rope_dedup", deduped)]
-            for name, fn in order if i % 2 == 0 else order[::-1]:
-                times[name].append(time_one(lambda: fn(tokens)))
-    ratios = [d / p for p, d in zip(times["inductor"], times["rope_dedup"])]
+        for name in made:
+            torch.testing.assert_close(outputs[name], outputs["inductor"], rtol=0, atol=0)
+        calls = {name: (lambda fn=made[name]: fn(tokens)) for name in made}
+        times = take_turns(calls, rounds, warmup, cuda_timer if device == "cuda" else cpu_timer)
+    paired = {name: Paired.of(times[name], times["inductor"]) for name in ("rope_dedup", "inductor again")}
     report = backend.report
     return {
         "case": asdict(case),
         "name": case.name,
-        "inductor_median_ms": 1e3 * statistics.median(times["inductor"]),
-        "rope_dedup_median_ms": 1e3 * statistics.median(times["rope_dedup"]),
-        "inductor_fastest_ms": 1e3 * min(times["inductor"]),
-        "rope_dedup_fastest_ms": 1e3 * min(times["rope_dedup"]),
-        "ratio_of_medians": statistics.median(times["rope_dedup"]) / statistics.median(times["inductor"]),
-        "median_paired_ratio": statistics.median(ratios),
+        "median_ms": {name: 1e3 * statistics.median(times[name]) for name in MODELS},
+        "fastest_ms": {name: 1e3 * min(times[name]) for name in MODELS},
+        "median_paired_ratio": paired["rope_dedup"].ratio,
+        "control_paired_ratio": paired["inductor again"].ratio,
+        "paired": {name: asdict(p) for name, p in paired.items()},
         "first_call_s": firsts,
         "rope_dedup_first": rope_dedup_first,
         "rope_storages": {"groups": len(report.groups), "tensors": sum(len(g.members) for g in report.groups)},
@@ -165,11 +144,12 @@ def measure_in_child(case: Case, args: argparse.Namespace, rope_dedup_first: boo
 def combined(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """One case's figures over its processes: the median of each, the fastest step of all, each paired ratio."""
     result = dict(runs[0])
-    for field in ("inductor_median_ms", "rope_dedup_median_ms", "ratio_of_medians", "median_paired_ratio"):
+    result["median_ms"] = {name: statistics.median(run["median_ms"][name] for run in runs) for name in MODELS}
+    result["fastest_ms"] = {name: min(run["fastest_ms"][name] for run in runs) for name in MODELS}
+    for field in ("median_paired_ratio", "control_paired_ratio"):
         result[field] = statistics.median(run[field] for run in runs)
-    for field in ("inductor_fastest_ms", "rope_dedup_fastest_ms"):
-        result[field] = min(run[field] for run in runs)
     result["paired_ratio_per_process"] = [run["median_paired_ratio"] for run in runs]
+    result["control_ratio_per_process"] = [run["control_paired_ratio"] for run in runs]
     result["first_call_s"] = [run["first_call_s"] for run in runs]
     return result
 
@@ -206,25 +186,27 @@ def main(argv: list[str] | None = None) -> int:
     if args.realistic:
         cases.append(Case(8, False, d_model=1024, heads=16, seq=256))
     results = []
-    header = (f"{'case':<58} {args.inner + ' ms':>11} {'rope_dedup ms':>13} {'median ratio':>12} {'paired':>7}  "
-              "paired per process")
-    print(header)
+    print(f"{'case':<58} {args.inner + ' ms':>11} {'rope_dedup ms':>13} {'paired':>7} {'A/A':>6}  per process "
+          "(rope_dedup, A/A)")
     for case in cases:
         runs = [measure(case, args.device, args.rounds, args.warmup, args.inner)] if args.processes == 1 else [
             measure_in_child(case, args, rope_dedup_first=k % 2 == 1) for k in range(args.processes)]
         result = combined(runs)
         results.append(result)
-        print(f"{result['name']:<58} {result['inductor_median_ms']:>11.3f} {result['rope_dedup_median_ms']:>13.3f} "
-              f"{result['ratio_of_medians']:>12.3f} {result['median_paired_ratio']:>7.3f}  "
-              f"{' '.join(f'{r:.3f}' for r in result['paired_ratio_per_process'])}", flush=True)
+        pairs = " ".join(f"{r:.3f}/{c:.3f}" for r, c in zip(result["paired_ratio_per_process"],
+                                                              result["control_ratio_per_process"]))
+        print(f"{result['name']:<58} {result['median_ms']['inductor']:>11.3f} {result['median_ms']['rope_dedup']:>13.3f} "
+              f"{result['median_paired_ratio']:>7.3f} {result['control_paired_ratio']:>6.3f}  {pairs}", flush=True)
     worst = max(r["median_paired_ratio"] for r in results)
-    verdict = "holds" if worst <= args.target else "missed"
-    print(f"worst median paired ratio {worst:.3f}: target <= {args.target} {verdict}")
+    noise = max(abs(r["control_paired_ratio"] - 1) for r in results)
+    print(f"worst median paired ratio {worst:.3f}, A/A control within ±{noise:.1%}: target <= {args.target} "
+          f"{verdict(worst, args.target, noise)}")
     if args.json:
         with open(args.json, "w") as out:
             json.dump({"device": torch.cuda.get_device_name() if args.device == "cuda" else platform.processor()
                        or platform.machine(), "torch": torch.__version__, "threads": torch.get_num_threads(),
-                       "inner": args.inner, "results": results, "target": args.target, "worst": worst}, out, indent=1)
+                       "inner": args.inner, "results": results, "target": args.target, "worst": worst,
+                       "control_noise": noise}, out, indent=1)
     return 0
 
 

@@ -11,7 +11,7 @@ attention layer applies, and with ``expect=RopeSpec(...)`` or ``expect="config"`
 
 import torch
 
-# The releases the suite was run on (README, "Supported torch versions"); pyproject.toml declares the same range.
+# The releases the suite was run on (docs/testing.md, "Other torch releases"); pyproject.toml declares the same range.
 SUPPORTED_TORCH = (2, 10), (2, 16)
 
 

@@ -21,7 +21,7 @@
 #      share() against the unshared model (examples/bench_move_peak.py), and recomputed tables against the
 #      shared one at decode and prefill, titan-128k (examples/bench_recompute.py).
 #   e. rope-dedup profile --preset titan-128k --device cuda, modes compile, rope_dedup, regional, share,
-#      sharing and recompute (profile-titan-128k-cuda.{txt,json,png}).
+#      sharing and recompute, and their step times in turns (profile-titan-128k-cuda.{txt,json,png}).
 #   f. scripts/cuda_graphs_check.py: CUDA graphs (mode reduce-overhead) with and without rope_dedup, whole
 #      model and per block, then the same with tables="recompute", in the time left (appended to
 #      benchmarks.txt).
@@ -201,11 +201,11 @@ run_step recompute 60 "$RESERVE_PROFILE" "$bench" \
     "$py" examples/bench_recompute.py --device cuda --preset titan-128k --rounds 20
 
 # -- e. memory profile, titan-128k on CUDA ----------------------------------------------------------
-# Six modes, each in a fresh process; --timeout per mode is a sixth of the step's limit less a margin, so a
-# mode that hangs cannot take the other modes' time.
+# Six modes, each in a fresh process, then the step-time process (models in turns); --timeout per process is a
+# seventh of the step's limit less a margin, so a process that hangs cannot take the others' time.
 left=$((budget - (SECONDS - started)))
 limit=$((left < RESERVE_PROFILE + 60 ? left : RESERVE_PROFILE + 60))
-per_mode=$(((limit - 20) / 6))
+per_mode=$(((limit - 20) / 7))
 if [ "$per_mode" -lt 10 ]; then per_mode=10; fi
 p=$outdir/profile-titan-128k-cuda
 run_step profile "$limit" 0 "$p.txt" \

@@ -17,7 +17,7 @@ from rope_dedup.tools.profile import MODES
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = Path(sys.executable).with_name("rope-dedup")
 FAST = ["--inner", "eager", "--layers", "2", "--context", "256", "--head-dim", "16", "--steps", "2",
-        "--step-seconds", "0"]
+        "--step-seconds", "0", "--rounds", "0"]
 
 
 def one_error_line(stderr: str, prog: str) -> str:
@@ -32,8 +32,8 @@ def one_error_line(stderr: str, prog: str) -> str:
 def test_profile_writes_every_figure_and_the_plot(tmp_path, capsys) -> None:
     out, png = tmp_path / "profile.json", tmp_path / "profile.png"
     args = ["profile", "--inner", "eager", "--layers", "2", "--context", "512", "--head-dim", "32", "--steps", "3",
-            "--step-seconds", "0", "--modes", "compile,rope_dedup,regional", "--json", str(out), "--plot", str(png),
-            "--timeout", "300"]
+            "--step-seconds", "0", "--modes", "compile,rope_dedup,regional", "--rounds", "5", "--json", str(out),
+            "--plot", str(png), "--timeout", "300"]
     assert main(args) == 0
     result = json.loads(out.read_text())
     modes = result["modes"]
@@ -51,10 +51,23 @@ def test_profile_writes_every_figure_and_the_plot(tmp_path, capsys) -> None:
     assert list(by_pass) == ["dedup_rope", "merge_rope_subgraphs", "fold_rope_constants", "copy_graph"]
     assert modes["rope_dedup"]["pass_s"] == pytest.approx(sum(by_pass.values()))
     assert result["summary"]["rope_dedup_rope_bytes_vs_ideal"] == 1.0
-    assert {t["target"] for t in result["targets"]} >= {"RoPE bytes after / ideal", "step time rope_dedup / alone"}
+    assert {t["target"] for t in result["targets"]} >= {"RoPE bytes after / ideal", "step time rope_dedup / alone",
+                                                         "step time rope_dedup / alone, regional"}
+    # Step times come from one process, models in turns, beside an A/A control; memory from each mode's own.
+    turns = result["turns"]
+    assert set(turns["step_s"]) == {"alone", "alone, again", "alone, regional", "rope_dedup", "regional"}
+    assert turns["rounds"] == 5 and result["summary"]["step_ratio"] == turns["paired"]["rope_dedup"]["ratio"]
+    assert result["summary"]["step_noise"] == turns["noise"] > 0
+    assert turns["audit"]["mismatches"] == 0 and turns["audit"]["tables"] == 4
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     shown = capsys.readouterr().out
     assert "rope_dedup regional" in shown and "ideal, each distinct table stored once: 2 storage(s)" in shown
+    # The headline comes first, after the lines describing the model: bytes, step ratios, the audit; then tables.
+    text = " ".join(shown.split())
+    head = text.index("RoPE tables: 4 as built, 131.1 KB; shared by rope_dedup: 2 storage(s)")
+    assert head < text.index("Step time, in turns in one process: rope_dedup / eager alone") < text.index(
+        "Audit (static against each layer's theta as built): 4 table(s) in 2 layer(s)") < text.index("RoPE storage")
+    assert "issue" not in shown and "target set for" not in shown
 
 
 def test_out_of_memory_in_one_child_is_one_line_and_the_others_still_print(monkeypatch, capsys) -> None:

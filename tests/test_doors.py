@@ -274,3 +274,25 @@ def test_ci_runs_the_readme_test_command() -> None:
     readme = (root / "README.md").read_text()
     command = next(line for line in readme.splitlines() if line.startswith("python3 -m venv .venv-nox"))
     assert command in (root / ".ci" / "run").read_text()
+
+
+def test_the_readme_fits_a_newcomers_patience() -> None:
+    from pathlib import Path
+
+    readme = (Path(__file__).parents[1] / "README.md").read_text().splitlines()
+    assert len(readme) <= 200, len(readme)
+    assert readme[readme.index("## Install and see it work") + 3].endswith("rope-dedup profile")  # the first command
+
+
+def test_words_a_user_reads_carry_no_issue_numbers_or_round_notes() -> None:
+    """README, docs and every string in the package (CLI output, docstrings, errors) speak to users."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).parents[1]
+    team_words = re.compile(r"\bissue \d|\bissue #\d|target set for|this round|round's|the issue's", re.IGNORECASE)
+    files = [root / "README.md", *(root / "docs").glob("*.md"), *(root / "rope_dedup").rglob("*.py"),
+             *(root / "passes").glob("*.py")]
+    hits = [f"{path.relative_to(root)}:{n}: {line.strip()}" for path in files
+            for n, line in enumerate(path.read_text().splitlines(), 1) if team_words.search(line)]
+    assert not hits, "\n".join(hits)

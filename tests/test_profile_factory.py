@@ -9,7 +9,7 @@ import pytest
 
 from rope_dedup.tools.cli import main
 
-FAST = ["--inner", "eager", "--steps", "2", "--step-seconds", "0", "--timeout", "300"]
+FAST = ["--inner", "eager", "--steps", "2", "--step-seconds", "0", "--rounds", "0", "--timeout", "300"]
 
 FACTORIES = textwrap.dedent("""
     import torch
@@ -57,10 +57,16 @@ def profile(*args: str) -> int:
 
 def test_profiles_the_user_model_inference_and_regional(factories, tmp_path, capsys) -> None:
     out = tmp_path / "p.json"
-    assert profile(f"{factories}:build", "--regional", "layers", *FAST, "--json", str(out)) == 0
+    assert profile(f"{factories}:build", "--regional", "layers", "--modes", "eager,compile,rope_dedup", *FAST,
+                   "--rounds", "3", "--json", str(out)) == 0
     result = json.loads(out.read_text())
     modes = result["modes"]
     assert list(modes) == ["eager", "compile", "rope_dedup", "regional"]
+    # Step time in one process: each timed mode against its own reference, the regional one against regional.
+    turns = result["turns"]
+    assert turns["reference"] == {"rope_dedup": "alone", "regional": "alone, regional", "alone, again": "alone"}
+    assert set(turns["max_abs_err_vs_alone"].values()) == {0.0}
+    assert turns["audit"]["expected"] is None and turns["audit"]["tables"] == 6  # no config: the slot rule alone
     ideal = 2 * 256 * 8 * 4  # cos and sin, (256, head_dim 16 / 2) float32
     for mode, figures in modes.items():
         assert figures["rope_tables"] == 6 and figures["ideal_bytes"] == ideal, mode
@@ -95,7 +101,7 @@ def test_a_factory_that_fails_is_one_line_per_mode(factory, message, factories, 
 
 def test_a_model_that_does_not_compile_still_reports_eager(factories, tmp_path, capsys) -> None:
     out = tmp_path / "p.json"
-    assert profile(f"{factories}:no_compile", *FAST, "--json", str(out)) == 1
+    assert profile(f"{factories}:no_compile", "--modes", "eager,compile,rope_dedup", *FAST, "--json", str(out)) == 1
     modes = json.loads(out.read_text())["modes"]
     assert "error" not in modes["eager"] and modes["eager"]["rope_tables"] == 6
     # torch 2.10 words it "Dynamo failed to run FX node with fake tensors: ...", later ones "RuntimeError when

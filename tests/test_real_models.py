@@ -122,7 +122,9 @@ def test_real_model(name: str, inner: str, mode: str) -> None:
     check_report(case, backend.report_for(got.model), share_persistent=False)
 
 
-@pytest.mark.parametrize("inner,mode", [("eager", "whole"), ("aot_eager", "regional")])
+# aot_eager per block repeats eager's decisions through a second tracer, and test_real_model runs that pairing
+# on every model: the slow set.
+@pytest.mark.parametrize("inner,mode", [("eager", "whole"), pytest.param("aot_eager", "regional", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("name", sorted(WITH_PERSISTENT_TABLES))
 def test_share_persistent_opt_in(name: str, inner: str, mode: str) -> None:
     """Persistent buffers (ESM's ``inv_freq``) and frozen parameters (rotary-embedding-torch's ``freqs``)

@@ -21,7 +21,7 @@ import torch
 from rope_dedup.core.text import TEXT_WIDTH, Table
 from rope_dedup.tools import profile as prof
 from rope_dedup.tools.factories import FactoryError, NoInputs, load_factory, model_and_inputs, model_of
-from rope_dedup.tools.render import markdown, print_table, profile_notes, profile_tables
+from rope_dedup.tools.render import headline, markdown, print_table, profile_notes, profile_tables
 
 USAGE_ERROR, RUN_ERROR = 2, 1
 FORMATS = ("text", "json", "markdown")
@@ -57,11 +57,13 @@ def _parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="rope-dedup", description="Share identical RoPE tables across attention layers.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     p = commands.add_parser(
-        "profile", help="compare memory and time: eager, torch.compile, rope_dedup (each in a fresh process)",
+        "profile", help="memory by mode (each in a fresh process) and step time (models in turns in one process)",
         description="Profile MODULE:FACTORY's model (FACTORY() returns (model, example_inputs), as for audit), "
-                    "or by default a toy decoder whose attention layers each own a RoPE table: eager, "
-                    "torch.compile with the inner backend alone, with rope_dedup, and regional compile (each "
-                    "block of a ModuleList compiled on its own), each in a fresh process. Toy options override "
+                    "or by default a toy decoder whose attention layers each own a RoPE table: torch.compile "
+                    "with the inner backend alone, with rope_dedup, and in recompute mode (also eager, regional "
+                    "compile, share(), sharing() with --modes), each mode's memory in a fresh process; then the "
+                    "step time of every compiled mode against the inner backend alone and an A/A control, "
+                    "called in turns in one process, and the static audit of the model. Toy options override "
                     "the preset.")
     p.add_argument("factory", metavar="MODULE:FACTORY", nargs="?",
                    help="your model, e.g. my_pkg.models:build or path/to/model.py:build (default: the toy decoder)")
@@ -86,8 +88,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--modes", type=_modes, help=f"comma-separated, from {','.join(prof.MODES)} (or 'all'); "
                                                 "'regional' compiles block by block; 'share' runs eager after "
                                                 "rope_dedup.share(model), 'sharing' builds inside rope_dedup.sharing()")
-    p.add_argument("--steps", type=_positive_int, help="timed forward steps after the first call, at least")
+    p.add_argument("--steps", type=_positive_int, help="steps each memory process runs after its first call, at least")
     p.add_argument("--step-seconds", type=float, help="and stepping lasts at least this long (default 1)")
+    p.add_argument("--rounds", type=_count,
+                   help="rounds of the step-time comparison, every model called once per round (default 200; 0: "
+                        "memory only, no step-time comparison)")
     p.add_argument("--seq", type=_positive_int, help="tokens per step")
     p.add_argument("--batch", type=_positive_int, help="sequences per step")
     p.add_argument("--threads", type=_positive_int, help="intra-op threads per child (default 1)")
@@ -128,6 +133,13 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _count(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected 0 or a positive integer, got {text}")
+    return value
+
+
 def _modes(text: str) -> tuple[str, ...]:
     modes = prof.MODES if text == "all" else tuple(m.strip() for m in text.split(",") if m.strip())
     unknown = [m for m in modes if m not in prof.MODES]
@@ -163,13 +175,14 @@ def _profile(args: argparse.Namespace, console, error_console) -> int:
     if args.format == "text":
         console.print(described, style="dim")
     result = _run_with_progress(config, args.timeout, error_console)
-    result["targets"] = [dict(zip(("target", "measured", "limit", "comparison", "met"), row))
+    result["targets"] = [dict(zip(("key", "target", "measured", "limit", "comparison", "verdict"), row))
                          for row in prof.check_targets(result["summary"])]
     if args.format == "json":  # stdout is the JSON alone; what else is said goes to stderr
         print(json.dumps(result, indent=2))
         console = error_console
     elif args.format == "markdown":
-        _print_markdown([described, ""], profile_tables(result), profile_notes(result))
+        _print_markdown([described, "", *(f"**{line}**  " for line in headline(result)), ""], profile_tables(result),
+                        profile_notes(result))
     else:
         _print_profile(result, console)
     if args.json is not None:
@@ -180,9 +193,10 @@ def _profile(args: argparse.Namespace, console, error_console) -> int:
 
         plot_profile(result, args.plot)
         console.print(f"wrote {args.plot}")
-    failed = [(mode, r["error"]) for mode, r in result["modes"].items() if "error" in r]
-    for mode, error in failed:
-        print(f"rope-dedup profile: error: {prof.mode_label(mode, config.inner)}: {error}", file=sys.stderr)
+    failed = [(_progress_label(mode, config.inner), r["error"]) for mode, r in
+              [*result["modes"].items(), (prof.TURNS, result.get("turns") or {})] if "error" in r]
+    for label, error in failed:
+        print(f"rope-dedup profile: error: {label}: {error}", file=sys.stderr)
     return RUN_ERROR if failed else 0
 
 
@@ -191,7 +205,7 @@ _TOY_OPTIONS = ("preset", "layers", "context", "head_dim", "heads", "dtype", "la
 
 def _profile_config(args: argparse.Namespace) -> prof.ProfileConfig:
     common = dict(device=args.device, inner=args.inner, modes=args.modes, steps=args.steps,
-                  step_seconds=args.step_seconds, threads=args.threads, regional=args.regional,
+                  step_seconds=args.step_seconds, rounds=args.rounds, threads=args.threads, regional=args.regional,
                   train=args.train or None)
     if args.factory is not None:
         toy_only = [f"--{name.replace('_', '-')}" for name in _TOY_OPTIONS
@@ -233,22 +247,30 @@ def _run_with_progress(config: prof.ProfileConfig, timeout: float | None, consol
 
     columns = (SpinnerColumn(finished_text=" "), TextColumn("{task.description}"), TimeElapsedColumn())
     with Progress(*columns, console=console) as progress:
-        tasks = {mode: progress.add_task(f"{prof.mode_label(mode, config.inner)}: waiting", total=1, start=False)
-                 for mode in config.modes}
+        shown = [*config.modes, *([prof.TURNS] if prof.timed_modes(config) else [])]
+        tasks = {mode: progress.add_task(f"{_progress_label(mode, config.inner)}: waiting", total=1, start=False)
+                 for mode in shown}
 
         def on_start(mode: str) -> None:
             progress.start_task(tasks[mode])
-            progress.update(tasks[mode], description=f"{prof.mode_label(mode, config.inner)}: running")
+            progress.update(tasks[mode], description=f"{_progress_label(mode, config.inner)}: running")
 
         def on_done(mode: str, result: dict) -> None:
             status = "[red]✗ failed[/] (reason below)" if "error" in result else "[green]✓[/] done"
-            progress.update(tasks[mode], completed=1, description=f"{prof.mode_label(mode, config.inner)}: {status}")
+            progress.update(tasks[mode], completed=1, description=f"{_progress_label(mode, config.inner)}: {status}")
             progress.stop_task(tasks[mode])
 
         return prof.run_profile(config, on_start, on_done, timeout)
 
 
+def _progress_label(mode: str, inner: str) -> str:
+    return "step time, in turns" if mode == prof.TURNS else prof.mode_label(mode, inner)
+
+
 def _print_profile(result: dict[str, Any], console) -> None:
+    for line in headline(result):
+        console.print(line, style="bold", markup=False, highlight=False)
+    console.print()
     for table in profile_tables(result):
         print_table(console, table, flag_style="red", boxed=False)
     for line in profile_notes(result):
