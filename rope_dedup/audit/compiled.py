@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Sequence, cast
 
 import torch
 import torch.fx
@@ -104,7 +104,7 @@ def writes_inputs(gm: torch.fx.GraphModule) -> bool:
 
 def with_outputs(gm: torch.fx.GraphModule, extra: list[torch.fx.Node]) -> tuple[torch.fx.GraphModule, int]:
     """A copy of ``gm`` that also returns ``extra`` after its own outputs; (the copy, how many outputs it had)."""
-    graph, mapping = torch.fx.Graph(), {}
+    graph, mapping = torch.fx.Graph(), dict[torch.fx.Node, torch.fx.Node]()
     returned, _ = graph.graph_copy(gm.graph, mapping, return_output_node=True)  # type: ignore[misc]
     outputs = list(returned) if isinstance(returned, (tuple, list)) else [returned]
     graph.output(tuple(outputs + [mapping[n] for n in extra]))
@@ -118,13 +118,13 @@ def check_compiled(gm: torch.fx.GraphModule, example_inputs: Sequence, args: Seq
     if writes_inputs(gm):
         return [_not_checked(r, "the graph writes its inputs in place: not run a second time") for r in found]
     nodes = [n for r in found for n in (r.x, r.rotated, r.y) if n is not None]
-    entry = compiled.get(id(gm))
+    entry: tuple[Callable[..., Any] | str, int] | None = compiled.get(id(gm))
     if entry is None:
         from torch._inductor.compile_fx import compile_fx
 
         copy, count = with_outputs(gm, nodes)
         try:
-            entry = (compile_fx(copy, list(example_inputs)), count)
+            entry = (cast(Callable[..., Any], compile_fx(copy, list(example_inputs))), count)
         except Exception as error:  # inductor cannot lower this graph: said, never hidden
             entry = (f"inductor could not compile the graph: {type(error).__name__}: {str(error).splitlines()[0][:120]}", count)
         compiled[id(gm)] = entry

@@ -191,25 +191,27 @@ class Explanation:
         judged = [t for t in self.precision if t.verdict != "not judged"]
         tables = []
         if judged:
-            rows = [(t.diverges, (t.layer, _table_name(t), _cell("dtype", t.dtype), str(t.length), _verdict(t),
-                                  describe_distance(t.to_reference), describe_distance(t.to_float64),
-                                  describe_distance(t.reference_to_float64))) for t in judged]
+            rows: list[tuple[bool, tuple[str, ...]]] = [
+                (t.diverges, (t.layer, _table_name(t), _cell("dtype", t.dtype), str(t.length), _verdict(t),
+                              describe_distance(t.to_reference), describe_distance(t.to_float64),
+                              describe_distance(t.reference_to_float64))) for t in judged]
             tables.append(Table(f"precision (a finding past {self.max_angle_error:g} rad and the reference's own "
                                 f"precision)", PRECISION_COLUMNS, _rows(_named_once(rows)),
                                 "angle: largest difference, radians, and where; ulp: of the table's dtype at the "
                                 "amplitude; reference to float64: its own limit, for information"))
             marks = [c for c in CHECKPOINTS if any(c < t.length for t in judged)]
-            growth = [(t.diverges, (t.layer, _table_name(t), *_growth(t, marks))) for t in judged]
+            growth: list[tuple[bool, tuple[str, ...]]] = [
+                (t.diverges, (t.layer, _table_name(t), *_growth(t, marks))) for t in judged]
             tables.append(Table("largest angle error below each position (to reference / to float64)",
                                 ("layer", "table", *(f"< {_short(m)}" for m in marks), "all positions"),
                                 _rows(_named_once(growth))))
-        if self.compiled:
-            rows = [(c.differs, (c.layer, c.source, "-" if c.angle is None else f"{c.angle:.2g} rad at {c.position}",
-                                 f"{max(c.allowed, self.max_angle_error or 0):.2g} rad", c.verdict))
-                    for c in self.compiled if c.angle is not None]
-            if rows:
-                tables.append(Table("compiled rotation (inductor) against eager", COMPILED_COLUMNS,
-                                    _rows(_named_once(rows))))
+        checked: list[tuple[bool, tuple[str, ...]]] = [
+            (c.differs, (c.layer, c.source, f"{c.angle:.2g} rad at {c.position}",
+                         f"{max(c.allowed, self.max_angle_error or 0):.2g} rad", c.verdict))
+            for c in self.compiled if c.angle is not None]
+        if checked:
+            tables.append(Table("compiled rotation (inductor) against eager", COMPILED_COLUMNS,
+                                _rows(_named_once(checked))))
         return tables
 
     def mismatch_table(self) -> Table | None:

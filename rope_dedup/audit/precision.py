@@ -16,9 +16,9 @@ construction itself may sit from float64 math, which another correct float32 bui
 other side). Past that it is a finding that names the cause, found by reproducing the table with one fault
 at a time, and its fix. The distance from float64 math is for information: how far precision carries.
 
-Tables are read a chunk of :data:`~rope_dedup.recompute.recipe.CHUNK_ROWS` rows at a time, so the peak grows
-by one chunk's temporaries; tables of identical content (one share group) are measured once. Nothing here
-writes a model tensor.
+Tables are read a chunk at a time (:data:`~rope_dedup.recompute.recipe.CHUNK_ROWS` rows of 16 frequencies,
+fewer rows of a wider table): the peak grows by one chunk's float64 temporaries, a few MiB whatever the table's
+length; tables of identical content (one share group) are measured once. Nothing here writes a model tensor.
 """
 
 from __future__ import annotations
@@ -110,13 +110,12 @@ def reference_for(spec: RopeSpec | None, key: RopeKey, length: int) -> Reference
     or why there are none."""
     if key.axes:
         return "a table over several position axes: its precision is not judged yet"
+    origin = "measured" if spec is None else "config" if isinstance(spec, ConfigSpec) else "expected"
     if spec is None:
-        spec = _measured_spec(key)  # type: ignore[assignment]
-        if isinstance(spec, str):
-            return spec
-        origin = "measured"
-    else:
-        origin = "config" if isinstance(spec, ConfigSpec) else "expected"
+        measured = _measured_spec(key)
+        if isinstance(measured, str):
+            return measured
+        spec = measured
     if isinstance(spec, ConfigSpec) and spec.axis_count:
         return "a table over several position axes: its precision is not judged yet"
     if spec.rotary_dim is not None and spec.rotary_dim != key.dim:
@@ -127,19 +126,24 @@ def reference_for(spec: RopeSpec | None, key: RopeKey, length: int) -> Reference
         inv_freq, amplitude = _call_init(spec.init, spec.config, spec.layer_type, length)
         inv_freq = inv_freq.to(torch.float32)
     else:
-        inv_freq, amplitude = _frequencies(spec.theta, _exponent_dim(spec, dim), spec.scaling,  # type: ignore[arg-type]
-                                           spec.attention_factor, length, dtype=torch.float32)
+        inv_freq, amplitude = _frequencies(spec.theta, _exponent_dim(spec, dim), _scaling(spec), spec.attention_factor,
+                                           length, dtype=torch.float32)
     if 2 * inv_freq.numel() != dim:
         return f"the reference has {inv_freq.numel()} frequencies for a table of {dim // 2}"
     exact, exact_amplitude = None, float(amplitude)
     if not isinstance(spec, ConfigSpec) or spec.rope_type == "default" or spec.rope_type in SCALING_TYPES:
-        exact, exact_amplitude = _frequencies(spec.theta, _exponent_dim(spec, dim), spec.scaling,  # type: ignore[arg-type]
+        exact, exact_amplitude = _frequencies(spec.theta, _exponent_dim(spec, dim), _scaling(spec),
                                               spec.attention_factor, length, dtype=torch.float64)
         if exact.numel() != inv_freq.numel():
             exact = None
     factor = float(torch.tensor(amplitude, dtype=torch.float32, device="cpu"))
     return Reference(f"{spec} ({origin})", inv_freq, None if factor == 1.0 else factor, exact, exact_amplitude,
                      context if isinstance(context, int) else None)
+
+
+def _scaling(spec: RopeSpec) -> Scaling | None:
+    """A spec's scaling (its ``__post_init__`` made any mapping one)."""
+    return spec.scaling if isinstance(spec.scaling, Scaling) else None
 
 
 def _exponent_dim(spec: RopeSpec, dim: int) -> int:
@@ -379,6 +383,10 @@ class _Fault:
     cast: torch.dtype | None = None
 
 
+def _rounded_to(half: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
+    return lambda inv_freq: inv_freq.to(half).to(torch.float32)
+
+
 def _faults(dtype: torch.dtype, held: bool) -> list[_Fault]:
     """The faults tried, the most common first. A half-precision dtype named for the values means the table's
     values carry that precision, whatever dtype holds them."""
@@ -395,7 +403,7 @@ def _faults(dtype: torch.dtype, held: bool) -> list[_Fault]:
                              "dtype=torch.float32))", position_dtype=half))
         faults.append(_Fault(f"frequencies (inv_freq) rounded to {name}: an error that grows in proportion to "
                              f"position", f"{keep}: keep inv_freq in float32 when the model is cast",
-                             inv_freq=lambda f, half=half: f.to(half).to(torch.float32)))
+                             inv_freq=_rounded_to(half)))
         faults.append(_Fault(f"positions held in {name} and values rounded to {name}",
                              f"build as the reference builds: positions as int64 or float32, and {keep}",
                              position_dtype=half, cast=half))
@@ -466,8 +474,8 @@ def held_precision(layer: str, path: str, tensor: torch.Tensor, table: AppliedTa
         return _vector_precision(layer, path, tensor, table.key, reference, max_angle_error)
     values = tensor.detach().squeeze()
     length = table.table.filled or values.shape[0]
-    return _judged(layer, path, length, _held_rows(values, layout), _chunks(length, values.device), reference, None,
-                   max_angle_error, table.key)
+    return _judged(layer, path, length, _held_rows(values, layout), _chunks(length, table.key.dim // 2, values.device),
+                   reference, None, max_angle_error, table.key)
 
 
 def _held_rows(values: torch.Tensor, layout: Layout) -> _Rows:
@@ -478,9 +486,16 @@ def _held_rows(values: torch.Tensor, layout: Layout) -> _Rows:
     return _Rows(read, _parts(layout), values.dtype, values.device, layout.arrangement is Arrangement.COMPLEX)
 
 
-def _chunks(length: int, device: torch.device) -> Iterator[torch.Tensor]:
-    return (torch.arange(start, min(start + CHUNK_ROWS, length), device=device, dtype=torch.int64)
-            for start in range(0, length, CHUNK_ROWS))
+def _rows_per_chunk(width: int) -> int:
+    """:data:`CHUNK_ROWS` rows of 16 frequencies, fewer rows of more: a float64 block of a chunk is 512 KiB."""
+    return max(1, CHUNK_ROWS * 16 // max(1, width))
+
+
+def _chunks(length: int, width: int, device: torch.device) -> Iterator[torch.Tensor]:
+    """Positions 0..length-1, a chunk at a time."""
+    rows = _rows_per_chunk(width)
+    return (torch.arange(start, min(start + rows, length), device=device, dtype=torch.int64)
+            for start in range(0, length, rows))
 
 
 def applied_precision(table: AppliedTable, reference: Reference | str, max_angle_error: float) -> TablePrecision:
@@ -496,7 +511,7 @@ def applied_precision(table: AppliedTable, reference: Reference | str, max_angle
         return {part: values.index_select(0, rows) for part, values in table.parts.items()}
 
     ordered = positions.sort().values
-    chunks = (ordered[i:i + CHUNK_ROWS] for i in range(0, ordered.numel(), CHUNK_ROWS))
+    chunks = iter(ordered.split(_rows_per_chunk(table.key.dim // 2)))
     rows = _Rows(read, tuple(table.parts), table.dtype, torch.device("cpu"))
     return _judged(table.layer, table.source, int(ordered[-1]) + 1, rows, chunks, reference, table.dtype,
                    max_angle_error, table.key, sample=ordered)
@@ -536,7 +551,7 @@ def _vector_precision(layer: str, path: str, tensor: torch.Tensor, key: RopeKey,
     def read(at: torch.Tensor) -> dict[str, torch.Tensor]:
         return {"angle": torch.outer(at.to(torch.float32), applied).to(torch.float64)}
 
-    chunks = (positions[i:i + CHUNK_ROWS] for i in range(0, positions.numel(), CHUNK_ROWS))
+    chunks = iter(positions.split(_rows_per_chunk(vector.numel())))
     to_reference, to_exact, own, first, beyond = measure(_Rows(read, ("angle",), torch.float32, device), chunks,
                                                          reference, applied_dtype=None, max_angle_error=max_angle_error)
     # A frequency's own ulps tell a cast vector: half a bf16 ulp is the rounding of inv_freq.to(bfloat16).
@@ -654,8 +669,9 @@ def _unrecognized(layer: str, path: str, tensor: torch.Tensor, spec: RopeSpec, m
     if fit is None or best > 1e-2:
         return TablePrecision(layer, path, tensor.dtype, length, f"no layout of its shape follows {spec}", "not judged")
     reference, layout = fit
-    return _judged(layer, path, length, _held_rows(values, layout), _chunks(length, values.device), reference, None,
-                   max_angle_error, None)
+    return _judged(layer, path, length, _held_rows(values, layout), _chunks(length, reference.inv_freq.numel(),
+                                                                             values.device),
+                   reference, None, max_angle_error, None)
 
 
 def _layouts(values: torch.Tensor, n: int) -> list[Layout]:
