@@ -172,6 +172,28 @@ def test_a_bf16_inv_freq_diverges_in_proportion_to_position() -> None:
     assert growth[-1] > 50 * growth[0]  # 4096 positions, then up to 1M: the error grows with the position
 
 
+class TorchtuneRope(nn.Module):
+    """torchtune's RotaryPositionalEmbeddings: a ``theta`` vector and, beside it, a stacked cos/sin ``cache``."""
+
+    def __init__(self, length: int) -> None:
+        super().__init__()
+        theta = 1.0 / (10000 ** (torch.arange(0, 16, 2)[:8].float() / 16))
+        angles = torch.einsum("i, j -> ij", torch.arange(length, dtype=theta.dtype), theta).float()
+        self.register_buffer("theta", theta, persistent=False)
+        self.register_buffer("cache", torch.stack([angles.cos(), angles.sin()], dim=-1), persistent=False)
+
+
+def test_a_vector_beside_a_table_is_judged_up_to_the_tables_length_else_to_1m() -> None:
+    holder = nn.Module()
+    holder.rope = TorchtuneRope(512)
+    explanation = explain(holder, expect=RopeSpec(1e4), precision=True)
+    assert {t.source: (t.verdict, t.length) for t in explanation.precision} == {
+        "rope.theta": ("matches", 512), "rope.cache": ("matches", 512)}
+    del holder.rope.cache
+    (alone,) = explain(holder, expect=RopeSpec(1e4), precision=True).precision
+    assert alone.length == MILLION
+
+
 def test_another_theta_diverges_as_a_frequency_that_differs() -> None:
     model = ToyDecoder(homogeneous(1, theta=5e5, max_len=256))
     explanation = explain(model, expect=RopeSpec(1e4), precision=True)

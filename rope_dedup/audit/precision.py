@@ -65,7 +65,7 @@ class Reference:
     amplitude: float | None  # the attention factor multiplied in, None for 1
     exact: torch.Tensor | None  # float64 (n,) from the formulas; None where none is known (the rope_type's)
     exact_amplitude: float
-    context: int | None = None  # max_position_embeddings, where the expectation knows it
+    context: int | None = None  # how far a frequency vector is judged: a table beside it, max_position_embeddings
 
 
 @dataclass(frozen=True)
@@ -108,7 +108,7 @@ class TablePrecision:
 def reference_for(spec: RopeSpec | None, key: RopeKey, length: int) -> Reference | str:
     """The references of a table keyed ``key``, for ``spec`` (None: the theta, dim and scaling it measures),
     or why there are none."""
-    if key.axes:
+    if key.axes:  # a held vector of one axis is judged as any vector; a table over its axes is not
         return "a table over several position axes: its precision is not judged yet"
     origin = "measured" if spec is None else "config" if isinstance(spec, ConfigSpec) else "expected"
     if spec is None:
@@ -116,8 +116,6 @@ def reference_for(spec: RopeSpec | None, key: RopeKey, length: int) -> Reference
         if isinstance(measured, str):
             return measured
         spec = measured
-    if isinstance(spec, ConfigSpec) and spec.axis_count:
-        return "a table over several position axes: its precision is not judged yet"
     if spec.rotary_dim is not None and spec.rotary_dim != key.dim:
         return f"rotary dim {key.dim} where {spec.rotary_dim} is expected (see the mismatch): no reference of its dim"
     dim = key.dim
@@ -602,6 +600,13 @@ def precision_of(model: torch.nn.Module, tables: list[AppliedTable], *, static: 
     (``unmeasured``: computed from half-precision positions, say), judged where an expectation names them.
     ``groups`` maps a held table's path to its share group: tables of identical content are measured once."""
     held = {path: local(tensor) for path, tensor, *_ in module_state(model)} if static else {}
+    # A frequency vector is judged up to the length of a table its module holds beside it (torchtune's theta
+    # beside its cache), else the config's max_position_embeddings, else 1M positions.
+    beside = {}
+    for table in tables:
+        if table.key.length:
+            owner = table.source.rpartition(".")[0]
+            beside[owner] = max(beside.get(owner, 0), table.key.length)
     done: dict[tuple, TablePrecision] = {}
     found = []
     for table in tables:
@@ -612,12 +617,16 @@ def precision_of(model: torch.nn.Module, tables: list[AppliedTable], *, static: 
             found.append(TablePrecision(table.layer, table.source, table.dtype, length,
                                         "frequencies held in another order: precision not judged", "not judged"))
             continue
-        tag = (groups.get(table.source, table.source) if static else id(table), _spec_tag(spec))
+        tag = (groups.get(table.source, table.source) if static else id(table), _spec_tag(spec),
+               beside.get(table.source.rpartition(".")[0]))
         known = done.get(tag)
         if known is not None:
             found.append(replace(known, layer=table.layer, source=table.source))
             continue
         reference = reference_for(spec, table.key, length)
+        context = beside.get(table.source.rpartition(".")[0])
+        if context and isinstance(reference, Reference):
+            reference = replace(reference, context=context)
         result = held_precision(table.layer, table.source, held[table.source], table, reference, max_angle_error) \
             if static else applied_precision(table, reference, max_angle_error)
         done[tag] = result
