@@ -299,6 +299,17 @@ def test_a_correct_model_with_inputs_gives_no_finding_eager_or_compiled() -> Non
     assert applied and all(t.verdict == "matches" and t.to_reference.angle == 0 for t in applied)
 
 
+def test_a_graph_that_writes_its_inputs_is_not_run_again_and_says_so() -> None:
+    torch.manual_seed(0)
+    model = ToyDecoder(homogeneous(1, layout="filled_cache", max_len=64)).eval()  # a cache the forward fills
+    explanation = explain(model, torch.randint(0, 64, (1, 8)), precision=True)
+    assert {c.verdict for c in explanation.compiled} == {"not checked"} and explanation.mismatches == ()
+    notes = explanation.notes()
+    at = notes.index("compiled rotation not checked (1):")
+    assert notes[at + 1].endswith("the graph writes its inputs in place: not run a second time")
+    assert int(model.layers[0].attention.rope.filled) == 8  # the eager run filled it once
+
+
 FACTORY = """
 from rope_dedup.testing.toy_decoder import ToyDecoder, homogeneous
 

@@ -305,10 +305,10 @@ class Explanation:
         if unjudged:
             lines.append(f"precision not judged ({len(unjudged)}):")
             lines += [f"  {t.source}: {t.reference}" for t in unjudged]
-        unchecked = [c for c in self.compiled if c.angle is None]
-        if unchecked:
+        unchecked = list(dict.fromkeys(f"  {c.layer} ({c.source}): {c.cause}" for c in self.compiled if c.angle is None))
+        if unchecked:  # queries and keys of a layer are not checked for one reason: said once
             lines.append(f"compiled rotation not checked ({len(unchecked)}):")
-            lines += [f"  {c.layer} ({c.source}): {c.cause}" for c in unchecked]
+            lines += unchecked
         return lines
 
     def __str__(self) -> str:
