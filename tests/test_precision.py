@@ -194,6 +194,17 @@ def test_a_vector_beside_a_table_is_judged_up_to_the_tables_length_else_to_1m() 
     assert alone.length == MILLION
 
 
+def test_a_theta_that_is_no_round_number_is_judged_only_against_an_expectation() -> None:
+    """A key names theta to 4 significant digits: against a reference built for 1593 a table of theta 1593.49
+    differs in its frequencies, which says nothing wrong of it. Without an expectation it is not judged."""
+    theta = 1593.4884
+    model = ToyDecoder(homogeneous(1, theta=theta, max_len=4096))
+    measured = judged(explain(model, precision=True), "rope.cos")
+    assert measured.verdict == "not judged" and "only to the 4 significant digits" in measured.reference
+    assert explain(model, precision=True).mismatches == ()
+    assert judged(explain(model, expect=RopeSpec(theta), precision=True), "rope.cos").verdict == "matches"
+
+
 def test_another_theta_diverges_as_a_frequency_that_differs() -> None:
     model = ToyDecoder(homogeneous(1, theta=5e5, max_len=256))
     explanation = explain(model, expect=RopeSpec(1e4), precision=True)

@@ -71,6 +71,8 @@ def survey(model_type: str) -> Surveyed:
     if diverging:
         found.verdict = "diverges"
         found.notes = sorted({f"{t.source}: {t.cause}" for t in diverging}) + found.notes
+    elif len(judged) < len(tables):
+        found.verdict = f"matches, {len(tables) - len(judged)} not judged"
     return found
 
 
@@ -105,9 +107,9 @@ def main(argv: list[str] | None = None) -> int:
         began = time.perf_counter()
         result = survey(model_type)
         results.append(result)
-        print(f"{model_type:40} {result.verdict:11} {','.join(result.dtypes):18} {result.context:>8} "
+        print(f"{model_type:40} {result.verdict:22} {','.join(result.dtypes):18} {result.context:>8} "
               f"{_angle(result.to_reference):>8} {_angle(result.to_float64):>8} {time.perf_counter() - began:5.1f} s"
-              + (f"  {result.notes[0][:150]}" if result.notes and result.verdict != "matches" else ""), flush=True)
+              + (f"  {result.notes[0][:200]}" if result.notes and result.verdict != "matches" else ""), flush=True)
     counts = {v: sum(r.verdict == v for r in results) for v in dict.fromkeys(r.verdict for r in results)}
     print(f"transformers {transformers.__version__}: {len(results)} types in {time.perf_counter() - start:.0f} s: "
           + ", ".join(f"{n} {v}" for v, n in counts.items()))
