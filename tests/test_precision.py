@@ -372,3 +372,21 @@ def test_the_command_line_refuses_bad_precision_options(factory, argv, message, 
     except SystemExit as exit:  # argparse refuses a malformed value itself
         code = exit.code
     assert code == 2 and message in capsys.readouterr().err
+
+
+def test_a_vector_held_in_another_order_is_judged_in_its_order_against_an_expectation() -> None:
+    """Ernie 4.5 VL keeps its inv_freq pre-rotated for its multimodal layout: judged frequency by frequency,
+    the expectation's vector put in the held order; without an expectation, not judged."""
+    rope = nn.Module()
+    inv_freq = 1.0 / (1e4 ** (torch.arange(0, 16, 2, dtype=torch.int64).float() / 16))
+    rope.register_buffer("inv_freq", inv_freq[torch.tensor([0, 4, 1, 5, 2, 6, 3, 7])], persistent=False)
+    holder = nn.Module()
+    holder.rotary_emb = rope
+    (vector,) = explain(holder, expect=RopeSpec(1e4), precision=True).precision
+    assert vector.verdict == "matches" and vector.to_reference.angle == 0 and vector.source == "rotary_emb.inv_freq"
+    assert vector.to_float64.angle == pytest.approx(float64_distance_of_angles(inv_freq, MILLION, 1e4), rel=0.01)
+    (alone,) = explain(holder, precision=True).precision
+    assert alone.verdict == "not judged" and "judged only against an expectation" in alone.reference
+    rope.inv_freq = rope.inv_freq.to(torch.bfloat16)
+    (cast,) = explain(holder, expect=RopeSpec(1e4), precision=True).precision
+    assert cast.diverges and cast.cause.startswith("frequencies (inv_freq) rounded to bfloat16")

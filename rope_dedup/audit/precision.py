@@ -45,8 +45,9 @@ from rope_dedup.tensors import local, module_state
 DEFAULT_MAX_ANGLE_ERROR = 1e-4
 # Positions the error is reported at, so that its growth shows (those within the table, and its last).
 CHECKPOINTS = (4096, 32768, 131072, 1 << 20)
-# A frequency vector holds no positions: it is judged up to the config's max_position_embeddings, else up to
-# 1M positions, at this many spread positions plus the last ones (its error grows with the position).
+# A frequency vector holds no positions: it is judged up to the length of a table beside it, else the config's
+# max_position_embeddings, else 1M positions, at this many spread positions plus the last ones (its error
+# grows with the position).
 _VECTOR_CONTEXT, _VECTOR_ROWS, _LAST_ROWS = 1 << 20, 4096, 64
 # Rows reproduced per fault model when naming a cause: spread over the table, plus its last and worst rows.
 _DIAGNOSIS_ROWS = 256
@@ -392,7 +393,7 @@ def _faults(dtype: torch.dtype, held: bool) -> list[_Fault]:
     faults = []
     for half in _HALVES:
         name = str(half).removeprefix("torch.")
-        held_as = f"held as {dtype}".replace("torch.", "") if dtype not in _HALVES else "held so"
+        held_as = f"held as {str(dtype).removeprefix('torch.')}"
         keep = "keep float32 not bf16" if half is torch.bfloat16 else "keep float32 not fp16"
         faults.append(_Fault(f"a cast: values rounded to {name} ({held_as}); the same relative error at every "
                              f"position", f"{keep}: build and hold the table in float32, cast where it is applied"
@@ -626,8 +627,7 @@ def precision_of(model: torch.nn.Module, tables: list[AppliedTable], *, static: 
         spec = _spec_judged_by(table, expected)
         length = table.key.length or 0
         if static and table.source not in held:  # a vector measured with its frequencies sorted
-            found.append(TablePrecision(table.layer, table.source, table.dtype, length,
-                                        "frequencies held in another order: precision not judged", "not judged"))
+            found.append(_reordered(table, held.get(table.source.split(" (")[0]), spec, max_angle_error))
             continue
         tag = (groups.get(table.source, table.source) if static else id(table), _spec_tag(spec),
                beside.get(table.source.rpartition(".")[0]))
@@ -649,6 +649,32 @@ def precision_of(model: torch.nn.Module, tables: list[AppliedTable], *, static: 
         if tensor is not None and specs:
             found.append(_unrecognized(layer, path, tensor, specs[0], max_angle_error))
     return sorted(found, key=lambda t: natural_order(t.layer))
+
+
+def _reordered(table: AppliedTable, tensor: torch.Tensor | None, spec: RopeSpec | None,
+               max_angle_error: float) -> TablePrecision:
+    """A vector held in another order than fastest first (Ernie 4.5 VL's pre-rotated one, proportional RoPE's
+    zeros for unrotated pairs), judged frequency by frequency against the expectation's vector: in the order
+    the expectation's own function builds it, or, for a formula's (fastest first), put in the held order.
+    Not judged without an expectation."""
+    path = table.source.split(" (")[0]
+    reference = reference_for(spec, table.key, 0) if spec is not None and tensor is not None else \
+        "frequencies held in another order: judged only against an expectation (pass expect=)"
+    if isinstance(reference, str) or tensor is None:
+        return TablePrecision(table.layer, table.source, table.dtype, 0, str(reference), "not judged")
+    held = tensor.detach().reshape(-1).cpu()
+    ranked = reference.inv_freq.argsort(descending=True)
+    order = held.argsort(descending=True) if torch.equal(ranked, torch.arange(held.numel())) else ranked
+
+    def placed(values: torch.Tensor) -> torch.Tensor:
+        """``values`` (fastest first) at the places ``order`` gives them."""
+        out = torch.empty_like(values)
+        out[order] = values.sort(descending=True).values
+        return out
+
+    exact = placed(reference.exact) if reference.exact is not None else None
+    reference = replace(reference, inv_freq=placed(reference.inv_freq), exact=exact)
+    return _vector_precision(table.layer, path, tensor, table.key, reference, max_angle_error)
 
 
 def _spec_judged_by(table: AppliedTable, expected: Expected) -> RopeSpec | None:
