@@ -4,6 +4,7 @@ through the static precision audit against its config (``explain(model, expect="
     python tests/zoo_precision.py                      # every type; a line each, then the summary
     python tests/zoo_precision.py llama gemma3         # some types
     python tests/zoo_precision.py --json out.json      # and every table's figures as JSON
+    python tests/zoo_precision.py --markdown out.json  # that survey as docs/audit.md's table
 
 Per type: the dtypes of the tables it holds (``inv_freq`` and cos/sin caches), the worst angle difference
 from the reference implementation and from float64 math over the positions each is judged at (a cache: its
@@ -89,11 +90,36 @@ def _angle(value: float | None) -> str:
     return "-" if value is None else "0" if value == 0 else f"{value:.2g}"
 
 
+def markdown(survey: dict) -> list[str]:
+    """A survey's JSON as docs/audit.md's table: the judged types grouped by class, dtype, context and their
+    worst angles (two significant digits), then the rest by class."""
+    groups: dict[tuple, list[str]] = {}
+    others: dict[str, list[str]] = {}
+    for result in survey["types"]:
+        if result["to_reference"] is None:
+            others.setdefault(result["verdict"], []).append(result["model_type"])
+            continue
+        key = (result["verdict"], ",".join(result["dtypes"]), result["context"], _angle(result["to_reference"]),
+               _angle(result["to_float64"]))
+        groups.setdefault(key, []).append(result["model_type"])
+    lines = ["| class | dtype | positions judged | to reference | to float64 | types |", "|---|---|---|---|---|---|"]
+    for (verdict, dtypes, context, reference, exact), types in sorted(groups.items(), key=lambda g: (g[0][0], g[0][2])):
+        lines.append(f"| {verdict} | {dtypes} | {context} | {reference} | {exact} | {', '.join(sorted(types))} |")
+    lines += [f"| {verdict} | | | | | {', '.join(sorted(types))} |" for verdict, types in sorted(others.items())
+              if verdict != "skipped"]
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("types", nargs="*", help="model types (default: every RoPE type)")
     parser.add_argument("--json", help="write every type's tables and figures here")
+    parser.add_argument("--markdown", metavar="JSON", help="print the table of a survey written with --json, and stop")
     args = parser.parse_args(argv)
+    if args.markdown:
+        with open(args.markdown) as survey:
+            print("\n".join(markdown(json.load(survey))))
+        return 0
 
     import transformers
 
