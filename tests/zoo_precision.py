@@ -117,8 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--markdown", metavar="JSON", help="print the table of a survey written with --json, and stop")
     args = parser.parse_args(argv)
     if args.markdown:
-        with open(args.markdown) as survey:
-            print("\n".join(markdown(json.load(survey))))
+        with open(args.markdown) as written:
+            print("\n".join(markdown(json.load(written))))
         return 0
 
     import transformers
