@@ -5,6 +5,7 @@ through the static precision audit against its config (``explain(model, expect="
     python tests/zoo_precision.py llama gemma3         # some types
     python tests/zoo_precision.py --json out.json      # and every table's figures as JSON
     python tests/zoo_precision.py --markdown out.json  # that survey as docs/audit.md's table
+    python tests/zoo_precision.py --dtype bfloat16     # each model cast with model.to(torch.bfloat16) first
 
 Per type: the dtypes of the tables it holds (``inv_freq`` and cos/sin caches), the worst angle difference
 from the reference implementation and from float64 math over the positions each is judged at (a cache: its
@@ -44,10 +45,13 @@ class Surveyed:
     tables: list[dict] = field(default_factory=list)
 
 
-def survey(model_type: str) -> Surveyed:
+def survey(model_type: str, dtype: torch.dtype | None = None) -> Surveyed:
+    """One type's tables judged; ``dtype``: the model cast first (``model.to(dtype)``), as a deployment does."""
     tiny = zoo.build(model_type)
     if isinstance(tiny, zoo.Skipped):
         return Surveyed(model_type, "skipped", notes=[tiny.reason])
+    if dtype is not None:
+        tiny.model.to(dtype)
     try:
         explanation = explain(tiny.model, expect="config", precision=True)
     except Exception as error:  # a survey lists what raised, and goes on
@@ -99,8 +103,9 @@ def markdown(survey: dict) -> list[str]:
         if result["to_reference"] is None:
             others.setdefault(result["verdict"], []).append(result["model_type"])
             continue
-        key = (result["verdict"], ",".join(result["dtypes"]), result["context"], _angle(result["to_reference"]),
-               _angle(result["to_float64"]))
+        cause = next((n.split(": ", 1)[1].split(":")[0] for n in result["notes"] if result["verdict"] == "diverges"), "")
+        key = (result["verdict"] + (f" ({cause})" if cause else ""), ",".join(result["dtypes"]), result["context"],
+               _angle(result["to_reference"]), _angle(result["to_float64"]))
         groups.setdefault(key, []).append(result["model_type"])
     lines = ["| class | dtype | positions judged | to reference | to float64 | types |", "|---|---|---|---|---|---|"]
     for (verdict, dtypes, context, reference, exact), types in sorted(groups.items(), key=lambda g: (g[0][0], g[0][2])):
@@ -114,6 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("types", nargs="*", help="model types (default: every RoPE type)")
     parser.add_argument("--json", help="write every type's tables and figures here")
+    parser.add_argument("--dtype", choices=("bfloat16", "float16"), help="cast each model first (model.to(dtype))")
     parser.add_argument("--markdown", metavar="JSON", help="print the table of a survey written with --json, and stop")
     args = parser.parse_args(argv)
     if args.markdown:
@@ -131,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     start, results = time.perf_counter(), []
     for model_type in types:
         began = time.perf_counter()
-        result = survey(model_type)
+        result = survey(model_type, getattr(torch, args.dtype) if args.dtype else None)
         results.append(result)
         print(f"{model_type:40} {result.verdict:22} {','.join(result.dtypes):18} {result.context:>8} "
               f"{_angle(result.to_reference):>8} {_angle(result.to_float64):>8} {time.perf_counter() - began:5.1f} s"
