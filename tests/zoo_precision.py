@@ -95,21 +95,25 @@ def _angle(value: float | None) -> str:
 
 
 def markdown(survey: dict) -> list[str]:
-    """A survey's JSON as docs/audit.md's table: the judged types grouped by class, dtype, context and their
-    worst angles (two significant digits), then the rest by class."""
-    groups: dict[tuple, list[str]] = {}
+    """A survey's JSON as docs/audit.md's table: the judged types grouped by class, dtype and positions judged,
+    with their worst angle to the reference and the range of their worst to float64; then the rest by class."""
+    groups: dict[tuple, list[dict]] = {}
     others: dict[str, list[str]] = {}
     for result in survey["types"]:
         if result["to_reference"] is None:
             others.setdefault(result["verdict"], []).append(result["model_type"])
             continue
         cause = next((n.split(": ", 1)[1].split(":")[0] for n in result["notes"] if result["verdict"] == "diverges"), "")
-        key = (result["verdict"] + (f" ({cause})" if cause else ""), ",".join(result["dtypes"]), result["context"],
-               _angle(result["to_reference"]), _angle(result["to_float64"]))
-        groups.setdefault(key, []).append(result["model_type"])
+        key = (result["verdict"] + (f" ({cause})" if cause else ""), ",".join(result["dtypes"]), result["context"])
+        groups.setdefault(key, []).append(result)
     lines = ["| class | dtype | positions judged | to reference | to float64 | types |", "|---|---|---|---|---|---|"]
-    for (verdict, dtypes, context, reference, exact), types in sorted(groups.items(), key=lambda g: (g[0][0], g[0][2])):
-        lines.append(f"| {verdict} | {dtypes} | {context} | {reference} | {exact} | {', '.join(sorted(types))} |")
+    for (verdict, dtypes, context), results in sorted(groups.items(), key=lambda g: (g[0][0], g[0][2])):
+        reference = _angle(max(r["to_reference"] for r in results))
+        exact = sorted(r["to_float64"] for r in results if r["to_float64"] is not None)
+        spread = "-" if not exact else _angle(exact[0]) if _angle(exact[0]) == _angle(exact[-1]) else \
+            f"{_angle(exact[0])} to {_angle(exact[-1])}"
+        names = ", ".join(sorted(r["model_type"] for r in results))
+        lines.append(f"| {verdict} | {dtypes} | {context} | {reference} | {spread} | {names} |")
     lines += [f"| {verdict} | | | | | {', '.join(sorted(types))} |" for verdict, types in sorted(others.items())
               if verdict != "skipped"]
     return lines
