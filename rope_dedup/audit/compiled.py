@@ -206,7 +206,7 @@ def _position_of(rotation: Rotation, shape: torch.Size, flat: int) -> int | None
     computed from when one has a value per row."""
     if not shape:
         return None
-    index = torch.unravel_index(torch.tensor(flat), shape)
+    index = torch.unravel_index(torch.tensor(flat, device="cpu", dtype=torch.int64), shape)
     table = rotation.table
     own = [int(i) if size > 1 else 0 for i, size in zip(index[len(shape) - table.dim():], table.shape)]
     row = 0

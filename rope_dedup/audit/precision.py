@@ -664,7 +664,8 @@ def _reordered(table: AppliedTable, tensor: torch.Tensor | None, spec: RopeSpec 
         return TablePrecision(table.layer, table.source, table.dtype, 0, str(reference), "not judged")
     held = tensor.detach().reshape(-1).cpu()
     ranked = reference.inv_freq.argsort(descending=True)
-    order = held.argsort(descending=True) if torch.equal(ranked, torch.arange(held.numel())) else ranked
+    fastest_first = torch.equal(ranked, torch.arange(held.numel(), device="cpu", dtype=torch.int64))
+    order = held.argsort(descending=True) if fastest_first else ranked
 
     def placed(values: torch.Tensor) -> torch.Tensor:
         """``values`` (fastest first) at the places ``order`` gives them."""
