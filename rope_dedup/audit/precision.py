@@ -615,7 +615,7 @@ def precision_of(model: torch.nn.Module, tables: list[AppliedTable], *, static: 
     held = {path: local(tensor) for path, tensor, *_ in module_state(model)} if static else {}
     # A frequency vector is judged up to the length of a table its module holds beside it (torchtune's theta
     # beside its cache), else the config's max_position_embeddings, else 1M positions.
-    beside = {}
+    beside: dict[str, int] = {}
     for table in tables:
         if table.key.length:
             owner = table.source.rpartition(".")[0]
