@@ -33,6 +33,7 @@ EXPECTED = {  # script -> lines its output must contain
     "bench_recognition_peak.py": ["complex (freqs_cis)"],
     "bench_step_time.py": ["worst median paired ratio"],
     "bench_move_peak.py": ["RoPE storages after the move: 2"],
+    "bench_precision.py": ["tables judged: 2 (1 distinct content), 0 diverge"],
     "bench_recompute.py": ["RoPE bytes: unshared 8.4 MB, shared 4.2 MB, recompute 256 B (2 tables recomputed)"],
     # 8 GPT-J layers, each a (16384, 32) float32 embed_positions: 7 of 8 copies freed.
     "profile_gptj.py": ["rope_dedup vs eager alone: RoPE storage 14.7 MB less"],
@@ -40,13 +41,14 @@ EXPECTED = {  # script -> lines its output must contain
 TAKES_INNER = {name for name in EXPECTED
                if name not in ("audit.py", "catch_misconfiguration.py", "export_program.py", "bench_computed_rope.py",
                             "bench_recognition_peak.py", "bench_step_time.py", "bench_move_peak.py",
-                            "bench_recompute.py")}
+                            "bench_recompute.py", "bench_precision.py")}
 # The benchmark at a size that only checks it runs (its figures come from the full run, docs/benchmarks.md).
 ARGS = {"bench_computed_rope.py": ["--layers", "2", "--context", "256", "--seq", "16", "--rounds", "2",
                                    "--warmup", "1", "--inners", "eager", "--modes", "forward"],
         "bench_step_time.py": ["--layers", "2", "--rounds", "4", "--warmup", "1", "--inner", "eager",
                                "--processes", "1"],
         "bench_move_peak.py": ["--layers", "4", "--context", "1024"],
+        "bench_precision.py": ["--layers", "2", "--context", "8192", "--rounds", "1"],
         "bench_recompute.py": ["--preset", "titan-128k", "--layers", "2", "--context", "8192", "--rounds", "2",
                                "--prefill", "16", "--backend", "eager"]}
 

@@ -197,6 +197,23 @@ def test_the_static_audit_flags_every_layer_when_the_config_theta_changed_after_
     assert calls == []
 
 
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_the_precision_audit_finds_caches_as_built_and_names_a_bf16_cast(name: str) -> None:
+    """Each layer's caches, built by 4.44's own ``_set_cos_sin_cache``, match transformers' reference bit for bit;
+    ``model.to(torch.bfloat16)`` rounds them (and ``inv_freq``): each is a finding that names the cast."""
+    from rope_dedup import explain
+
+    model = MODELS[name]()
+    clean = explain(model, expect="config", precision=True)
+    assert clean.mismatches == ()
+    held = [t for t in clean.precision if t.source.endswith(("cos_cached", "sin_cached"))]
+    assert len(held) == 2 * LAYERS and all(t.verdict == "matches" and t.to_reference.angle == 0 for t in held)
+    model.to(torch.bfloat16)
+    cast = explain(model, expect="config", precision=True)
+    found = {(t.source.rpartition(".")[2], t.cause.split(":")[0]) for t in cast.precision if t.diverges}
+    assert found == {("cos_cached", "a cast"), ("sin_cached", "a cast"), ("inv_freq", "frequencies (inv_freq) rounded to bfloat16")}
+
+
 # -- the Trainer door ---------------------------------------------------------------------------------------
 
 def train_two_steps(tmp_path, monkeypatch, callbacks: list) -> tuple[list[torch.Tensor], torch.nn.Module]:

@@ -25,6 +25,7 @@ import torch
 import torch.fx
 import torch.utils._pytree as pytree
 
+from rope_dedup.audit.compiled import CompiledCheck, check_compiled, rotations
 from rope_dedup.audit.layers import layer_of
 from rope_dedup.tables.axes import axes_label, axis_positions, split_axes
 from rope_dedup.tables.keys import RopeKey, infer_key
@@ -67,10 +68,15 @@ class AppliedTable:
 
 class TableCapture:
     """A ``torch.compile`` backend that hands each graph to ``backend`` (for its report) and then runs
-    it itself, through an interpreter that records the RoPE tables each layer applies."""
+    it itself, through an interpreter that records the RoPE tables each layer applies. Given
+    ``max_angle_error``, it also runs each graph compiled by inductor and compares every rotation with eager's
+    (:mod:`rope_dedup.audit.compiled`)."""
 
-    def __init__(self, backend: Callable, model: torch.nn.Module) -> None:
+    def __init__(self, backend: Callable, model: torch.nn.Module, max_angle_error: float | None = None) -> None:
         self.backend = backend
+        self.max_angle_error = max_angle_error
+        self.compiled_checks: list[CompiledCheck] = []
+        self._inductor: dict[int, Any] = {}  # id(graph) -> its compiled copy that returns the rotations
         self.paths = tensor_paths(model)
         self.captured: list[_Candidate] = []
         self.computed: dict[int, tuple] = {}  # tables a graph returned, for the graphs that receive them
@@ -90,6 +96,11 @@ class TableCapture:
             interpreter = _Interpreter(gm, self.paths, sources, self.computed)
             result = interpreter.run(*args)
             self.captured += interpreter.candidates
+            if self.max_angle_error is not None:
+                found = rotations(gm, interpreter.multiplies, _is_rope)
+                if found:
+                    self.compiled_checks += check_compiled(gm, example_inputs, args, found, self.max_angle_error,
+                                                           self._inductor)
             self.computed.update((id(value), (value, *rest)) for value, *rest in interpreter.computed_outputs(result))
             return result
 
@@ -100,6 +111,7 @@ class TableCapture:
         self.captured.clear()
         self.computed.clear()
         self.unmeasured.clear()
+        self._inductor.clear()
 
     def tables(self) -> list[AppliedTable]:
         """Every table applied, once per layer and source; a cos and a sin from one place are measured
@@ -179,6 +191,8 @@ class _Interpreter(torch.fx.Interpreter):
         # for ``self`` in a frame dynamo began inside an attention module after a graph break.
         self.roots: dict[str, str] = {}
         self.candidates: list[_Candidate] = []
+        # multiply -> (its table operand, its other operand, the candidate kept): the rotations compiled.py checks
+        self.multiplies: dict[torch.fx.Node, tuple[torch.fx.Node, torch.fx.Node, _Candidate]] = {}
         self._seen: set[torch.fx.Node] = set()
 
     def run_node(self, node: torch.fx.Node) -> Any:
@@ -257,6 +271,9 @@ class _Interpreter(torch.fx.Interpreter):
             position_ids=self.position_ids(ancestors),
             angle_dtype=angle_dtype,
         ))
+        partner = next(a for a in multiply.args if a is not node)
+        if rotation is None and isinstance(partner, torch.fx.Node):
+            self.multiplies[multiply] = (node, partner, self.candidates[-1])
 
     def provenance(self, ancestors: list[torch.fx.Node]) -> tuple[str | None, torch.dtype | None]:
         """(where a value was computed and from what state, the dtype of its angles) from its ancestors: a
@@ -288,6 +305,11 @@ class _Interpreter(torch.fx.Interpreter):
                 if angle_dtype is not None:
                     found.append((value, source, angle_dtype, self.position_ids(ancestors)))
         return found
+
+
+def _is_rope(candidate: _Candidate) -> bool:
+    """Whether a multiply's table operand is a RoPE table at the positions it was applied at."""
+    return _measure(candidate) is not None or _late_rows(candidate) is not None
 
 
 def _rotation_matrices(value: torch.Tensor, other: torch.Tensor) -> torch.Tensor | None:

@@ -36,11 +36,13 @@ class Mismatch:
     expected: str
     found: str
     worst_position: int | None  # where the values differ most (None: not compared by value)
-    error: float | None = None  # the largest |applied - expected| there
+    error: float | None = None  # the largest |applied - expected| there (a precision finding: its angle, radians)
+    fix: str | None = None  # what to change, where the finding names it (the precision audit's)
 
     def cells(self) -> tuple[str, ...]:
         where = "-" if self.worst_position is None else f"{self.worst_position} (|Δ| {self.error:.2g})"
-        return self.layer, self.field, self.expected, self.found, where
+        found = self.found if self.fix is None else f"{self.found}; fix: {self.fix}"
+        return self.layer, self.field, self.expected, found, where
 
 
 class RopeMismatch(AssertionError):
@@ -90,6 +92,10 @@ def check_table(applied: AppliedTable, spec: RopeSpec) -> list[Mismatch]:
                    value_tolerance(applied.dtype, amplitude, ordered_angles))[0] <= 0:
             return _axes(applied, spec)
     mismatches = _axes(applied, spec)
+    half = _carried_half(applied)
+    if half is not None:  # values that carry only half precision: one finding that says so, not amplitude or scaling
+        return mismatches + [Mismatch(layer, "table dtype", f"{_name(applied.dtype)} values",
+                                      f"values rounded to {_name(half)} (held as {_name(applied.dtype)})", worst, error)]
     applied_amplitude = applied.table.amplitude
     # Amplitude first, on its own: values rescaled to the expected amplitude then show the frequencies alone.
     if abs(applied_amplitude - amplitude) > float(tolerance.min()):
@@ -99,6 +105,22 @@ def check_table(applied: AppliedTable, spec: RopeSpec) -> list[Mismatch]:
         field, expected, found_text = _diagnose(applied, spec, inv_freq, amplitude, tolerance)
         mismatches.append(Mismatch(layer, field, expected, found_text, worst, error))
     return mismatches
+
+
+def _carried_half(applied: AppliedTable) -> torch.dtype | None:
+    """bfloat16 or float16 when every cos/sin value applied round-trips through it exactly while the table's dtype
+    is wider (a table cast to half precision and back); None otherwise."""
+    if applied.dtype.to_real() in (torch.bfloat16, torch.float16):
+        return None
+    values = [v for kind, v in applied.parts.items() if kind != "angle"]
+    for half in (torch.bfloat16, torch.float16):
+        if values and all(torch.equal(v, v.to(half).to(v.dtype)) for v in values):
+            return half
+    return None
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def _axes(applied: AppliedTable, spec: RopeSpec) -> list[Mismatch]:

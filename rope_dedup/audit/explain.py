@@ -17,6 +17,7 @@ import dataclasses
 import inspect
 import linecache
 import logging
+import math
 from collections import Counter
 from dataclasses import dataclass, fields
 from typing import Any, Callable, Iterable, Iterator, Sequence
@@ -24,12 +25,15 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 import torch
 
 from rope_dedup.audit.applied import AppliedTable, TableCapture
+from rope_dedup.audit.compiled import CompiledCheck
 from rope_dedup.audit.layers import MODEL, layers_of, natural_order, split_layer
 from rope_dedup.backend import RopeDedupBackend
 from rope_dedup.audit.check import MISMATCH_COLUMNS, Mismatch, RopeMismatch, check_expected
 from rope_dedup.audit.expectation import (Expectation, Expected, Judging, NoRope, candidates, config_conflicts,
                                           describe, expectation_for)
 from rope_dedup.audit.held import EmptySlot, held_tables
+from rope_dedup.audit.precision import (DEFAULT_MAX_ANGLE_ERROR, CHECKPOINTS, TablePrecision, describe_distance,
+                                        precision_of)
 from rope_dedup.tables.keys import RopeKey
 from rope_dedup.core.report import DedupReport, Skip
 from rope_dedup.core.text import Row, Table, format_bytes, format_table, wrap
@@ -48,6 +52,9 @@ APPLIED_COLUMNS = ("layer", "applies", "from", "theta", "dim", "scaling", "ampli
 # The static audit judges the tables held, not applied: the same columns, named for what they show.
 HELD_COLUMNS = ("layer", "holds", "path", *APPLIED_COLUMNS[3:])
 EXPECTED_COLUMNS = ("expected", "status")
+PRECISION_COLUMNS = ("layer", "table", "dtype", "positions", "class", "to reference", "to float64",
+                     "reference to float64")
+COMPILED_COLUMNS = ("layer", "table from", "inductor vs eager", "allowed", "class")
 
 
 @dataclass(frozen=True)
@@ -97,6 +104,11 @@ class Explanation:
     # RoPE-named tensors held (static), or cos/sin applied (dry run), in a layout not measured: (path or layer, why)
     unmeasured: tuple[tuple[str, str], ...] = ()
     recomputed: tuple[str, ...] = ()  # tables share(tables="recompute") replaced: audited as their values
+    # explain(precision=True): each table's distance from its reference and from float64 math, and (with
+    # inputs) each layer's compiled rotation against eager's; the threshold they were judged by (None: not audited)
+    precision: tuple[TablePrecision, ...] = ()
+    compiled: tuple[CompiledCheck, ...] = ()
+    max_angle_error: float | None = None
 
     @property
     def odd_layers(self) -> list[LayerRow]:
@@ -126,6 +138,12 @@ class Explanation:
                 + ("hold RoPE" if self.static else "apply RoPE"))
         if self.judged or self.mismatches:
             line += f"; {len(self.mismatches)} mismatch(es)" + (" with the expectation" if self.judged else "")
+        if self.max_angle_error is not None:
+            judged = [t for t in self.precision if t.verdict != "not judged"]
+            line += (f"; precision: {len(judged)} table(s) judged, {sum(t.diverges for t in judged)} diverge from "
+                     f"their reference")
+            if self.compiled:
+                line += f", {sum(c.differs for c in self.compiled)} compiled rotation(s) differ from eager"
         return line
 
     def applied_columns(self) -> tuple[str, ...]:
@@ -165,6 +183,35 @@ class Explanation:
             title = "what each held table encodes" if self.static else "tables each layer applies"
             tables.append(Table(title, self.applied_columns(), _rows(applied),
                                 legend if _marks_a_row(applied) else None))
+        return tables + self.precision_tables()
+
+    def precision_tables(self) -> list[Table]:
+        """With ``precision=True``: each table's distance from its references, how it grows with the position,
+        and each compiled rotation against eager's."""
+        judged = [t for t in self.precision if t.verdict != "not judged"]
+        tables = []
+        if judged:
+            rows: list[tuple[bool, tuple[str, ...]]] = [
+                (t.diverges, (t.layer, _table_name(t), _cell("dtype", t.dtype), str(t.length), _verdict(t),
+                              describe_distance(t.to_reference), describe_distance(t.to_float64),
+                              describe_distance(t.reference_to_float64))) for t in judged]
+            tables.append(Table(f"precision (a finding past {self.max_angle_error:g} rad and the reference's own "
+                                f"precision)", PRECISION_COLUMNS, _rows(_named_once(rows)),
+                                "angle: largest difference, radians, and where; ulp: of the table's dtype at the "
+                                "amplitude; reference to float64: its own limit, for information"))
+            marks = [c for c in CHECKPOINTS if any(c < t.length for t in judged)]
+            growth: list[tuple[bool, tuple[str, ...]]] = [
+                (t.diverges, (t.layer, _table_name(t), *_growth(t, marks))) for t in judged]
+            tables.append(Table("largest angle error below each position (to reference / to float64)",
+                                ("layer", "table", *(f"< {_short(m)}" for m in marks), "all positions"),
+                                _rows(_named_once(growth))))
+        checked: list[tuple[bool, tuple[str, ...]]] = [
+            (c.differs, (c.layer, c.source, f"{c.angle:.2g} rad at {c.position}",
+                         f"{max(c.allowed, self.max_angle_error or 0):.2g} rad", c.verdict))
+            for c in self.compiled if c.angle is not None]
+        if checked:
+            tables.append(Table("compiled rotation (inductor) against eager", COMPILED_COLUMNS,
+                                _rows(_named_once(checked))))
         return tables
 
     def mismatch_table(self) -> Table | None:
@@ -192,12 +239,16 @@ class Explanation:
             "pattern": self.pattern,
             "groups": {letter: list(members) for letter, members in self.groups.items()},
             "mismatches": [{"layer": m.layer, "field": m.field, "expected": m.expected, "found": m.found,
-                            "worst_position": m.worst_position, "error": m.error} for m in self.mismatches],
+                            "worst_position": m.worst_position, "error": m.error, "fix": m.fix}
+                           for m in self.mismatches],
             "skipped": [{"path": s.path, "kind": s.kind.name, "reason": s.reason} for s in self.skipped],
             "parameters_skipped": self.parameters_skipped,
             "unread": list(self.unread),
             "recomputed": list(self.recomputed),
             "errors": list(self.report.errors),
+            "max_angle_error": self.max_angle_error,
+            "precision": [_precision_values(t) for t in self.precision],
+            "compiled": [dataclasses.asdict(c) for c in self.compiled],
         }
 
     def _wrong(self) -> dict[str, str]:
@@ -250,6 +301,14 @@ class Explanation:
             lines.append(f"{'held' if self.static else 'applied'} but in a layout the audit does not measure "
                          f"({len(self.unmeasured)}):")
             lines += [f"  {path}: {why}" for path, why in self.unmeasured]
+        unjudged = [t for t in self.precision if t.verdict == "not judged"]
+        if unjudged:
+            lines.append(f"precision not judged ({len(unjudged)}):")
+            lines += [f"  {t.source}: {t.reference}" for t in unjudged]
+        unchecked = list(dict.fromkeys(f"  {c.layer} ({c.source}): {c.cause}" for c in self.compiled if c.angle is None))
+        if unchecked:  # queries and keys of a layer are not checked for one reason: said once
+            lines.append(f"compiled rotation not checked ({len(unchecked)}):")
+            lines += unchecked
         return lines
 
     def __str__(self) -> str:
@@ -267,6 +326,7 @@ class Explanation:
 
 
 def explain(model: torch.nn.Module, *example_inputs: Any, expect: Expectation | None = None, strict: bool = False,
+            precision: bool = False, max_angle_error: float = DEFAULT_MAX_ANGLE_ERROR,
             **example_kwargs: Any) -> Explanation:
     """Audit ``model``'s RoPE tables: shares nothing, rewrites nothing.
 
@@ -284,15 +344,25 @@ def explain(model: torch.nn.Module, *example_inputs: Any, expect: Expectation | 
     ship (:mod:`rope_dedup.audit.expectation`); a field it cannot read is a mismatch of its own (layer
     ``(config)``, field ``config``), as is a 5.x config that also carries a legacy field with another
     value. ``strict=True`` raises :class:`~rope_dedup.audit.spec.SpecError` on an unreadable field instead.
+
+    ``precision=True`` also judges how exactly each table is computed (:mod:`rope_dedup.audit.precision`): its
+    angle and value distance from the reference implementation and from float64 math, a divergence from the
+    reference past ``max_angle_error`` radians (and past the reference's own precision) being a mismatch that
+    names its cause and fix; with inputs, each layer's rotation under inductor is compared with eager's too.
     """
+    if not (isinstance(max_angle_error, (int, float)) and 0 <= max_angle_error < math.inf):
+        raise ValueError(f"max_angle_error must be a finite number of radians >= 0, got {max_angle_error!r}")
     judging = expectation_for(expect, model, strict=strict) if expect is not None else None  # bad input fails here
     findings = [Mismatch("(config)", "config", f"rope_parameters: {c.read}",
                          f"{c.name}={c.ignored} (a legacy field: transformers 5 ignores it)", None)
                 for c in config_conflicts(model)] if isinstance(expect, str) else []
     findings += [Mismatch("(config)", "config", "RoPE parameters the audit can read", line, None)
                  for line in (judging.unreadable if judging is not None else ())]
+    limit = float(max_angle_error) if precision else None
     with values_in_place(model) as recomputed:  # a recomputed table is judged as the values it reads
-        explanation = _audit(model, example_inputs, example_kwargs, judging, findings)
+        explanation = _audit(model, example_inputs, example_kwargs, judging, findings, limit)
+        if limit is not None:
+            explanation = _with_precision(explanation, model, judging, limit)
     if recomputed:
         explanation = dataclasses.replace(explanation, recomputed=tuple(recomputed))
     log.info("rope_dedup: %s audit: %d layer(s), %d distinct table(s), %d layer(s) differ from the majority, "
@@ -302,7 +372,7 @@ def explain(model: torch.nn.Module, *example_inputs: Any, expect: Expectation | 
 
 
 def _audit(model: torch.nn.Module, example_inputs: tuple, example_kwargs: dict, judging: Judging | None,
-           findings: list[Mismatch]) -> Explanation:
+           findings: list[Mismatch], max_angle_error: float | None) -> Explanation:
     """The static audit without inputs, else the dry-run forward: see :func:`explain`."""
     if not example_inputs and not example_kwargs:
         held = held_tables(model, judging.judge if judging else None)
@@ -311,7 +381,7 @@ def _audit(model: torch.nn.Module, example_inputs: tuple, example_kwargs: dict, 
                                unmeasured=held.unmeasured)
     else:
         backend = RopeDedupBackend(inner="eager", dry_run=True)
-        capture = TableCapture(backend, model)
+        capture = TableCapture(backend, model, max_angle_error)
         with torch.no_grad():
             caller = _fresh_caller(model, len(example_inputs), list(example_kwargs))
             with _own_recompile_budget() as compile_kwargs:
@@ -321,10 +391,42 @@ def _audit(model: torch.nn.Module, example_inputs: tuple, example_kwargs: dict, 
                                "to audit; TORCH_LOGS=graph_breaks,recompiles shows why")
         applied = capture.tables()
         unmeasured = [(f"{layer}: {source.split(' from ')[0]}", _UNMEASURED) for layer, source in capture.unmeasured]
+        compiled = tuple(capture.compiled_checks)
         capture.release()
         explanation = _arrange(backend.report_for(model), model, applied, judging, findings=findings,
                                unmeasured=unmeasured)
+        explanation = dataclasses.replace(explanation, compiled=compiled)
     return explanation
+
+
+def _with_precision(explanation: Explanation, model: torch.nn.Module, judging: Judging | None,
+                    max_angle_error: float) -> Explanation:
+    """``explanation`` with each table's precision, and a mismatch for each divergence (a table's from its
+    reference, a compiled rotation's from eager's)."""
+    groups = {path: letter for letter, members in explanation.groups.items() for path in members}
+    unmeasured = list(explanation.unmeasured) if explanation.static else []
+    found = precision_of(model, explanation.applied, static=explanation.static,
+                         judge=judging.judge if judging is not None else None, groups=groups, unmeasured=unmeasured,
+                         max_angle_error=max_angle_error)
+    mismatches = list(explanation.mismatches)
+    for table in found:
+        if table.diverges and table.to_reference is not None:
+            what = "applied" if table.applied else "held"
+            mismatches.append(Mismatch(table.layer, "precision", f"{table.source} ({what}) as its reference: "
+                                       f"{table.reference}, within {max_angle_error:g} rad",
+                                       table.cause, table.to_reference.position, table.to_reference.angle, table.fix))
+    worst: dict[str, CompiledCheck] = {}  # queries and keys of a layer rotate alike: its worst one is the finding
+    for check in explanation.compiled:
+        if check.differs and (check.layer not in worst or check.angle > worst[check.layer].angle):  # type: ignore[operator]
+            worst[check.layer] = check
+    for check in worst.values():
+        if check.differs:
+            mismatches.append(Mismatch(check.layer, "compiled precision",
+                                       f"inductor rotates as eager does (within {max(max_angle_error, check.allowed):.2g} rad)",
+                                       f"{check.angle:.2g} rad from eager: {check.cause}", check.position, check.angle,
+                                       check.fix))
+    return dataclasses.replace(explanation, precision=tuple(found), mismatches=tuple(mismatches),
+                               max_angle_error=max_angle_error)
 
 
 _UNMEASURED = "computed from cos/sin, at rows no whole positions explain"
@@ -557,6 +659,54 @@ def _dtypes(table: AppliedTable) -> str:
     if table.angle_dtype is not None and table.angle_dtype != table.dtype:
         dtype += f" (angles {_cell('dtype', table.angle_dtype)})"
     return dtype
+
+
+def _verdict(table: TablePrecision) -> str:
+    if table.diverges:
+        return f"DIVERGES from {table.first_position}"
+    return "matches" + (f" ({table.cause})" if table.cause else "")
+
+
+def _short(position: int) -> str:
+    """4096 -> 4k, 1048576 -> 1M."""
+    return f"{position >> 20}M" if position >= 1 << 20 and position % (1 << 20) == 0 else f"{position >> 10}k"
+
+
+def _growth(table: TablePrecision, marks: list[int]) -> list[str]:
+    """At each mark and over all positions: the largest angle error to the reference / to float64."""
+    mine = dict(table.to_reference.growth) if table.to_reference else {}
+    exact = dict(table.to_float64.growth) if table.to_float64 else {}
+
+    def cell(mark: int) -> str:
+        if mark not in mine:
+            return "-"
+        return f"{mine[mark]:.2g} / " + (f"{exact[mark]:.2g}" if mark in exact else "-")
+
+    end = table.to_reference.growth[-1][0] if table.to_reference else None
+    return [cell(mark) if end is not None and mark < end else "-" for mark in marks] + [
+        cell(end) if end is not None else "-"]
+
+
+def _table_name(table: TablePrecision) -> str:
+    """A held table's path inside its layer (the layer has its own column); an applied table's source."""
+    return split_layer(table.source)[1] if not table.applied and table.source.startswith(table.layer + ".") \
+        else table.source
+
+
+def _named_once(rows: list[tuple[bool, tuple[str, ...]]]) -> list[tuple[bool, tuple[str, ...]]]:
+    """Rows whose first cell (the layer) repeats the row above's show it blank."""
+    named = []
+    for i, (flagged, cells) in enumerate(rows):
+        same = i > 0 and rows[i - 1][1][0] == cells[0]
+        named.append((flagged, ("" if same else cells[0], *cells[1:])))
+    return named
+
+
+def _precision_values(table: TablePrecision) -> dict[str, Any]:
+    """A :class:`TablePrecision` as JSON values (dtypes as their names)."""
+    values = dataclasses.asdict(table)
+    values["dtype"] = _cell("dtype", table.dtype)
+    return values
 
 
 def _letter(index: int) -> str:

@@ -175,9 +175,10 @@ def _parse_scaling(text: str) -> Scaling:
 
 
 def _frequencies(theta: float, dim: int, scaling: Scaling | None, attention_factor: float | None,
-                 seq_len: int) -> tuple[torch.Tensor, float]:
-    """transformers' formulas, in float64."""
-    exponents = torch.arange(0, dim, 2, dtype=torch.float64, device="cpu") / dim
+                 seq_len: int, dtype: torch.dtype = torch.float64) -> tuple[torch.Tensor, float]:
+    """transformers' formulas, in float64; in float32 they are transformers' own steps (integer exponents
+    made float32, then pow and divide in float32), which give the very vector transformers builds."""
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").to(dtype) / dim
     kind = scaling.type if scaling is not None else None
     if kind == "dynamic" and seq_len > scaling.original_max_position_embeddings:  # type: ignore[operator, union-attr]
         # NTK: a larger base once the sequence outgrows the original length.
@@ -194,7 +195,7 @@ def _frequencies(theta: float, dim: int, scaling: Scaling | None, attention_fact
     elif kind == "longrope":
         long = seq_len > scaling.original_max_position_embeddings  # type: ignore[operator, union-attr]
         factors = torch.tensor(scaling.long_factor if long else scaling.short_factor,  # type: ignore[union-attr]
-                               dtype=torch.float64, device="cpu")
+                               dtype=dtype, device="cpu")
         if factors.numel() != inv_freq.numel():
             raise SpecError(f"longrope: {factors.numel()} factors for a rotary dim of {dim}")
         inv_freq = inv_freq / factors
@@ -233,7 +234,7 @@ def _yarn(inv_freq: torch.Tensor, theta: float, dim: int, s: Scaling) -> tuple[t
     low, high = max(low, 0), min(high, dim - 1)
     if low == high:
         high += 0.001  # transformers' guard against a zero-width ramp
-    ramp = ((torch.arange(dim // 2, dtype=torch.float64, device="cpu") - low) / (high - low)).clamp(0, 1)
+    ramp = ((torch.arange(dim // 2, dtype=inv_freq.dtype, device="cpu") - low) / (high - low)).clamp(0, 1)
     extrapolate = 1 - ramp
     return inv_freq / s.factor * (1 - extrapolate) + inv_freq * extrapolate, attention_factor  # type: ignore[operator]
 

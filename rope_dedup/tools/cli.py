@@ -18,6 +18,7 @@ from typing import Any, NoReturn, Sequence
 
 import torch
 
+from rope_dedup.audit.precision import DEFAULT_MAX_ANGLE_ERROR
 from rope_dedup.core.text import TEXT_WIDTH, Table
 from rope_dedup.tools import profile as prof
 from rope_dedup.tools.factories import FactoryError, NoInputs, load_factory, model_and_inputs, model_of
@@ -44,7 +45,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         console, error_console = _consoles()
         if args.command == "profile":
             return _profile(args, console, error_console)
-        return _audit(args, console)
+        return _audit(args, console, error_console)
     except BadInput as error:
         print(f"{prog}: error: {error}", file=sys.stderr)
         return USAGE_ERROR
@@ -116,6 +117,16 @@ def _parser() -> argparse.ArgumentParser:
                         "theta=5e5[,dim=64][,scaling=TYPE:PARAMS][,attention_factor=1.2], scaling one of "
                         "linear:FACTOR, dynamic:FACTOR:ORIGINAL_MAX, llama3:FACTOR:LOW:HIGH:ORIGINAL_MAX, "
                         "yarn:FACTOR:ORIGINAL_MAX[:BETA_FAST:BETA_SLOW]; exit 1 if any layer differs")
+    a.add_argument("--precision", action="store_true",
+                   help="also judge how exactly each table is computed: its angle and value distance from the "
+                        "reference implementation (transformers' float32 construction) and from float64 math; exit 1 "
+                        "if a table diverges from its reference (with inputs: or inductor rotates unlike eager)")
+    a.add_argument("--max-angle-error", type=_radians, metavar="RAD",
+                   help=f"with --precision: an angle difference from the reference that is never a finding "
+                        f"(default {DEFAULT_MAX_ANGLE_ERROR:g}: below a cos/sin table rounded to fp16, 2.4e-4, far "
+                        f"above two correct float32 builds, 2e-7; docs/audit.md says why)")
+    a.add_argument("--plot", type=Path, metavar="PATH.png",
+                   help="with --precision: write the angle error against position, one line per table and reference")
     _format_option(a)
     return parser
 
@@ -124,6 +135,16 @@ def _format_option(command: argparse.ArgumentParser) -> None:
     command.add_argument("--format", choices=FORMATS, default="text",
                          help="text: tables for the terminal (default); json: every figure on stdout, for CI; "
                               "markdown: tables for a PR comment")
+
+
+def _radians(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of radians, got {text}") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a finite number of radians >= 0, got {text}")
+    return value
 
 
 def _positive_int(text: str) -> int:
@@ -289,7 +310,7 @@ def _print_markdown(head: list[str], tables: list[Table], notes: list[str]) -> N
 
 # -- audit --------------------------------------------------------------------------------------------
 
-def _audit(args: argparse.Namespace, console) -> int:
+def _audit(args: argparse.Namespace, console, error_console) -> int:
     from rope_dedup.audit.explain import explain
     from rope_dedup.audit.spec import SpecError, parse_spec
 
@@ -297,6 +318,16 @@ def _audit(args: argparse.Namespace, console) -> int:
         expect = None if args.expect is None else "config" if args.expect == "config" else parse_spec(args.expect)
     except SpecError as error:
         raise BadInput(str(error)) from None
+    for option, given in (("--max-angle-error", args.max_angle_error is not None), ("--plot", args.plot is not None)):
+        if given and not args.precision:
+            raise BadInput(f"{option} goes with --precision")
+    if args.plot is not None:
+        _check_writable(args.plot, "--plot")
+        try:
+            import matplotlib  # noqa: F401  (checked before the audit runs, used after)
+        except ImportError:
+            raise BadInput("--plot needs matplotlib: pip install 'rope-dedup[demo]'") from None
+    limit = DEFAULT_MAX_ANGLE_ERROR if args.max_angle_error is None else args.max_angle_error
     with _bad_factory():
         factory = load_factory(args.factory)
     try:
@@ -313,7 +344,7 @@ def _audit(args: argparse.Namespace, console) -> int:
             except NoInputs as error:
                 raise BadInput(f"{error}, or add --static to audit its tables without a forward") from None
     try:
-        explanation = explain(model, *inputs, expect=expect)
+        explanation = explain(model, *inputs, expect=expect, precision=args.precision, max_angle_error=limit)
     except SpecError as error:  # --expect config on a model whose config lacks a field
         raise BadInput(str(error)) from None
     except Exception as error:
@@ -328,6 +359,11 @@ def _audit(args: argparse.Namespace, console) -> int:
         _print_markdown([explanation.headline(), ""], tables, notes)
     else:
         _print_explanation(explanation, console)
+    if args.plot is not None:
+        from rope_dedup.tools.plot import plot_precision
+
+        plot_precision(explanation, args.plot)
+        (console if args.format == "text" else error_console).print(f"wrote {args.plot}")
     return RUN_ERROR if explanation.mismatches else 0
 
 

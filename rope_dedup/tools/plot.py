@@ -56,3 +56,45 @@ def plot_profile(result: dict[str, Any], path: Path) -> None:
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
+
+
+def plot_precision(explanation: Any, path: Path) -> None:
+    """Write the angle error against position of ``explanation``'s tables (``explain(..., precision=True)``) to
+    ``path``: one line per table and reference, tables of identical curves drawn once and named together."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    floor = 1e-10  # log scale: a bit-for-bit match is drawn on the floor, and the legend says so
+    lines: dict[tuple, list[str]] = {}
+    for table in explanation.precision:
+        for label, distance, style in (("to reference", table.to_reference, "-"), ("to float64", table.to_float64, ":"),
+                                       ("reference to float64", table.reference_to_float64, "--")):
+            if distance is not None:
+                lines.setdefault((label, style, distance.curve), []).append(table.source)
+    fig, ax = plt.subplots(figsize=(10, 6.5))
+    for (label, style, curve), sources in lines.items():
+        positions = [position for position, _ in curve]
+        errors = [max(error, floor) for _, error in curve]
+        if label == "reference to float64":
+            name = "reference to float64 (its own limit)"
+            if any(n.startswith("reference to float64") for n in ax.get_legend_handles_labels()[1]):
+                name = "_"  # once is enough: every reference is float32 in the same way
+        else:
+            shown = ", ".join(sources[:2]) + (f" (+{len(sources) - 2})" if len(sources) > 2 else "")
+            name = f"{shown}: {label}" + (" (bit for bit: 0)" if max(e for _, e in curve) == 0 else "")
+        ax.plot(positions, errors, style, label=textwrap.shorten(name, 90), color="#888888" if style == "--" else None)
+    limit = explanation.max_angle_error
+    if limit:
+        ax.axhline(limit, color="#C44E52", linewidth=1, label=f"max angle error {limit:g} rad")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("position (largest error in each quarter octave of positions)")
+    ax.set_ylabel("angle error (radians)")
+    ax.set_title("RoPE angle error against position")
+    ax.grid(True, which="major", alpha=0.3)
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=2, frameon=False)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
