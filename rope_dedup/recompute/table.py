@@ -15,7 +15,7 @@ replaces, or raises an error that says so. The rule:
 - **A write materializes.** An op that writes a table or any view of it (in place, ``out=``, ``set_``,
   ``.data =``, a metadata change such as ``t_`` or ``resize_``) first gives the table a storage holding its
   values, then writes there, with a warning; from then on every view of it reads that storage, as views of a
-  plain table do. A compiled graph cannot do that: it refuses at compile time, naming the op.
+  plain table do. A graph dynamo traces gives the real table its values as it meets the write, and breaks there.
 
 Views keep the ops that made them (``steps``), so once the table holds a storage each replays them on it.
 ``__tensor_flatten__`` makes it traceable: ``torch.compile`` folds a read into the graph as the computation of
@@ -679,8 +679,8 @@ _TRACED: WeakIdKeyDictionary = WeakIdKeyDictionary()
 def _once_per_graph(table: RecomputedTable, read: tuple, compute: Callable[[], torch.Tensor]) -> torch.Tensor:
     """``compute()``, or the rows this graph's trace already computed for the same vector, recipe and read.
 
-    Only while a graph is traced (a proxy mode): there, rows are never written (a write is refused), so one
-    computation can serve every read. Bounds that are symbols (dynamic shapes) are computed each time."""
+    Only while a graph is traced (a proxy mode): there, rows of a table without values are never written (a write
+    gives the table its values first, and the trace starts again), so one computation can serve every read. Bounds that are symbols (dynamic shapes) are computed each time."""
     mode = get_proxy_mode()
     if mode is None or not all(type(v) in (int, str) for v in read):
         return compute()
