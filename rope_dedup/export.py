@@ -143,6 +143,7 @@ def _recompute(gm: torch.fx.GraphModule, placeholders: dict[str, torch.fx.Node],
                 kept.append(Skip(spec.target or spec.arg.name, refusal))
             continue
         node = placeholders[spec.arg.name]
+        assert table.recipe is not None  # a table just converted: the whole table, computed from its recipe
         vector = vector_inputs.get(id(table.inv_freq))
         new = vector is None
         if new:

@@ -224,7 +224,6 @@ class RecomputedTable(torch.Tensor):
     recipe: Recipe | None  # a view of the whole table that still computes any rows it is asked for
     rows: torch.Tensor | None  # otherwise this view's values: computed when made, or (``live``) a view of memory
     live: bool
-    inv_freq: torch.Tensor | None
     __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
 
     @staticmethod
@@ -243,6 +242,15 @@ class RecomputedTable(torch.Tensor):
                 f"device={self.device}, {held})")
 
     @property
+    def inv_freq(self) -> torch.Tensor:
+        """The float32 frequency vector the table's values are computed from."""
+        recipe = self.recipe or self.state.recipe
+        if recipe is None:
+            raise AttributeError(f"recomputed table {self.state.label} views memory set to other values: no "
+                                 f"frequency vector computes them")
+        return recipe.inv_freq
+
+    @property
     def is_recomputed(self) -> bool:
         """False once the table holds a storage of its own (written)."""
         self.state.sync()
@@ -258,10 +266,13 @@ class RecomputedTable(torch.Tensor):
         self.state.sync()
         if self.state.materialized is not None:
             return self._plain()
-        return self.rows if self.recipe is None else whole_values(self.recipe)  # type: ignore[return-value]
+        if self.recipe is not None:
+            return whole_values(self.recipe)
+        assert self.rows is not None
+        return self.rows
 
     # -- what torch does with a tensor's memory, as the plain table would -----------------------------------
-    @property  # type: ignore[override]
+    @property
     def data(self) -> torch.Tensor:
         return self.detach()
 
@@ -273,12 +284,12 @@ class RecomputedTable(torch.Tensor):
                                f"{self.state.label} ({self.dtype}, {self.device}): a recomputed table cannot change "
                                f"its dtype or device in place; {UNSHARE}")
         with torch.no_grad():
-            self.set_(new)
+            aten.set_.source_Tensor(self, new)
 
-    def tolist(self) -> Any:  # type: ignore[override]
+    def tolist(self) -> Any:
         return self.values().tolist()
 
-    def numpy(self, *, force: bool = False) -> Any:  # type: ignore[override]
+    def numpy(self, *, force: bool = False) -> Any:
         """An array sharing the table's memory, as torch's is: the table is given a storage first."""
         self.state.materialize("numpy")
         return self._plain().numpy(force=force)
@@ -388,7 +399,7 @@ class RecomputedTable(torch.Tensor):
         """This tensor now reads ``memory`` (a plain tensor), with its metadata: after ``set_``, ``.data =``,
         ``resize_``, ``t_`` and every other op that changes what a tensor views."""
         self.state = _State(self.state.name, None, self.state.key, memory, self.state.written_by)
-        self.steps, self.recipe, self.inv_freq, self.rows, self.live = (), None, None, memory, True
+        self.steps, self.recipe, self.rows, self.live = (), None, memory, True
         _set_metadata(self, memory)
 
 
@@ -419,7 +430,6 @@ def _make(state: _State, steps: tuple[Step, ...], recipe: Recipe | None = None, 
     if neg:
         torch._C._set_neg(table, True)
     table.state, table.steps, table.recipe, table.rows, table.live = state, steps, recipe, rows, live
-    table.inv_freq = None if recipe is None else recipe.inv_freq
     return table
 
 
@@ -575,7 +585,7 @@ def _argument(func: Any, args: tuple, kwargs: dict, index: int) -> Any:
 
 def written_arguments(func: Any, args: tuple, kwargs: dict) -> list[Any]:
     """The arguments ``func``'s schema writes."""
-    found = []
+    found: list[Any] = []
     for i, argument in enumerate(func._schema.arguments):
         if argument.alias_info is not None and argument.alias_info.is_write:
             value = args[i] if i < len(args) else kwargs.get(argument.name)
@@ -641,7 +651,7 @@ def _returned(func: Any, args: tuple, kwargs: dict, out: Any) -> Any:
     for i, argument in enumerate(func._schema.arguments):
         if argument.alias_info is not None and argument.alias_info.is_write:
             by_alias[frozenset(argument.alias_info.before_set)] = _argument(func, args, kwargs, i)
-    found = [by_alias[frozenset(r.alias_info.before_set)] for r in returns]  # type: ignore[union-attr]
+    found = [by_alias[frozenset(r.alias_info.before_set)] for r in returns]
     return found[0] if len(found) == 1 else tuple(found)
 
 
@@ -736,7 +746,7 @@ def _slice(table: RecomputedTable, dim: int = 0, start: int | None = None, end: 
     # torch.sym_min/sym_max, not slice.indices(): under dynamic shapes the bounds are symbols, and turning
     # them into ints would specialize the graph to one length.
     begin, stop = _bound(start, size, 0), _bound(end, size, size)
-    view = (aten.slice.Tensor, (dim, start, end, step), {}, None)
+    view: Step = (aten.slice.Tensor, (dim, start, end, step), {}, None)
     if dim != table.recipe.pos_dim:  # type: ignore[union-attr]
         return _alias(table, view) if (begin, stop, step) == (0, size, 1) else NotImplemented
     return _rows(table, view, begin, stop, step, begin * table.stride(dim))
@@ -763,10 +773,11 @@ def _select(table: RecomputedTable, dim: int, index: int) -> Any:
                       tuple(table.shape[:dim]) + tuple(table.shape[dim + 1:]))
     index = index + size if index < 0 else index
     recipe = table.recipe
+    assert recipe is not None
     strides = None if recipe.strides is None else tuple(st for d, st in enumerate(table.stride()) if d != dim)
 
     def compute() -> torch.Tensor:
-        row = recipe.rows_in_place(_positions(index, index + 1, table)).squeeze(dim)  # type: ignore[union-attr]
+        row = recipe.rows_in_place(_positions(index, index + 1, table)).squeeze(dim)
         return row if strides is None else _laid_out(row, strides)
 
     rows = _once_per_graph(table, ("select", dim, index), compute)
@@ -818,7 +829,7 @@ def _unsqueeze(table: RecomputedTable, dim: int) -> Any:
 
 @_implements(aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims)
 def _squeeze(table: RecomputedTable, dims: Any = None) -> Any:
-    step = (aten.squeeze.dims, (list(range(table.dim())) if dims is None else
+    step: Step = (aten.squeeze.dims, (list(range(table.dim())) if dims is None else
                                 [dims] if isinstance(dims, int) else list(dims),), {}, None)
     dims = {d % table.dim() for d in step[1][0]}
     return _alias(table, step, tuple(s for d, s in enumerate(table.shape) if not (d in dims and s == 1)))
@@ -856,7 +867,7 @@ def _as_strided(table: RecomputedTable, size: list[int], stride: list[int], stor
     begin = offset // row
     if begin + size[dim] > table.shape[dim]:
         return NotImplemented
-    view = (aten.as_strided.default, (list(size), list(stride), offset), {}, None)
+    view: Step = (aten.as_strided.default, (list(size), list(stride), offset), {}, None)
     return _rows(table, view, begin, begin + size[dim], 1, offset)
 
 
