@@ -194,7 +194,9 @@ def every_tensor(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
     return [*model.named_parameters(), *model.named_buffers()]
 
 
-@pytest.mark.parametrize("door", sorted(DOORS))
+# compile_inductor repeats regional_inductor and whole aot_eager in one 18 s cold compile: slow set.
+@pytest.mark.parametrize("door", [pytest.param(d, marks=pytest.mark.slow) if d == "compile_inductor" else d
+                                  for d in sorted(DOORS)])
 def test_every_tensor_can_be_swapped_after(door: str) -> None:
     model, _ = twins(local_global(4) + homogeneous(2, layout="lazy_cache"))
     DOORS[door](model)

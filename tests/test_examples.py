@@ -49,6 +49,7 @@ ARGS = {"bench_computed_rope.py": ["--layers", "2", "--context", "256", "--seq",
                                "--processes", "1"],
         "bench_move_peak.py": ["--layers", "4", "--context", "1024"],
         "bench_precision.py": ["--layers", "2", "--context", "8192", "--rounds", "1"],
+        "profile_gptj.py": ["--rounds", "20"],
         "bench_recompute.py": ["--preset", "titan-128k", "--layers", "2", "--context", "8192", "--rounds", "2",
                                "--prefill", "16", "--backend", "eager"]}
 
@@ -68,7 +69,7 @@ def check(name: str, process: subprocess.Popen) -> None:
 @pytest.fixture(scope="module")
 def fast_runs() -> dict[str, subprocess.Popen]:
     """All scripts started at once with the eager inner backend: they are mostly interpreter start-up."""
-    return {name: start(name, *(["--inner", "eager"] if name in TAKES_INNER else ARGS.get(name, [])))
+    return {name: start(name, *(["--inner", "eager"] if name in TAKES_INNER else []), *ARGS.get(name, []))
             for name in EXPECTED}
 
 

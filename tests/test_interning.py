@@ -30,6 +30,11 @@ def way(request) -> str:
     return request.param
 
 
+# Whole-model compiles of 36 tables take 9 to 21 s each on 2 cold cores. These tests keep their regional case
+# in the fast suite and their whole case in the slow set, where the other whole cases here stay fast.
+WHOLE_SLOW = pytest.mark.parametrize("way", ["regional", pytest.param("whole", marks=pytest.mark.slow)])
+
+
 def interned() -> int:
     return counters["rope_dedup"]["interned_at_runtime"]
 
@@ -66,6 +71,7 @@ def rope_of(model: torch.nn.Module, layer: int) -> torch.nn.Module:
     return getattr(block, "_orig_mod", block).attention.rope
 
 
+@WHOLE_SLOW
 def test_nothing_is_offered_again_while_nothing_changes(way: str) -> None:
     model = compiled(build(SPECS), way)
     settle(model, build(SPECS))
@@ -121,6 +127,7 @@ def test_memory_changed_unseen_by_hooks_is_shared_within_the_widest_schedule(way
     assert interned() == seen + 1
 
 
+@WHOLE_SLOW
 def test_two_shared_tables_swapped_with_each_other_still_move_as_one(way: str) -> None:
     """A swap of two members of one group leaves ids and memory as they were, and each tensor with the
     other's record: the check must see the records no longer match, or a move copies each on its own."""
@@ -160,6 +167,7 @@ def test_a_model_built_again_after_its_twin_was_freed_is_shared(way: str) -> Non
 
 
 
+@WHOLE_SLOW
 def test_a_settled_graph_that_only_reads_looks_on_few_calls(way: str, monkeypatch) -> None:
     """Sweeps at 2, 4, ... 64 rounds apart: over 200 steps, a few percent of the calls look at all. Whole
     under inductor, whose graphs read their tables apart (other inner backends merge them, and graphs with
@@ -179,6 +187,7 @@ def test_a_settled_graph_that_only_reads_looks_on_few_calls(way: str, monkeypatc
     assert 0 < len(looks) <= calls // 16, (len(looks), calls)
 
 
+@pytest.mark.slow  # 17 s; test_holes.py keeps a graph that writes after share() (per block) in the fast suite
 def test_a_whole_graph_that_writes_a_table_checks_every_call() -> None:
     """Many tables, one written: each call gives it its own storage again if share() shared it since."""
     def writing() -> torch.nn.Module:
@@ -195,6 +204,7 @@ def test_a_whole_graph_that_writes_a_table_checks_every_call() -> None:
             torch.testing.assert_close(ours_compiled(TOKENS), plain_compiled(TOKENS), rtol=0, atol=0)
 
 
+@pytest.mark.slow  # 21 s; test_backend.py's test_replaced_table_falls_back_to_unmerged_graph keeps the fallback
 def test_a_whole_graph_with_merged_tables_checks_every_call() -> None:
     """Merged inputs (an inner backend other than inductor) are compared on every call, settled or not: a
     table replaced by other values runs the graph without the merge."""

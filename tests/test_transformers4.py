@@ -162,6 +162,7 @@ def train(model: torch.nn.Module, backend, steps: int = 2) -> tuple[list[torch.T
     return losses, grads, unique_storages([t for t in rope_tensors(model) if t.dim() > 1])
 
 
+@pytest.mark.slow  # 62 s of the session's 102 (inductor's backward, cold); the Trainer test trains under aot_eager
 def test_training_under_inductor_is_bitwise_equal_to_inductor_alone() -> None:
     """Persimmon in train mode: with each layer's placeholders redirected to one table node, inductor
     fused the rotary backward with the q/k layernorm backward differently and every gradient moved by up
