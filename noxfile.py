@@ -51,7 +51,10 @@ MYPY = "mypy==2.4.1"
 
 def install(session: nox.Session, *args: str, env: dict[str, str] | None = None) -> None:
     """pip install without compiling every installed module to bytecode: torch alone is some 20,000 files (85 s
-    against 15 s on 2 busy cores); Python compiles the modules a session imports when it first imports them."""
+    against 15 s on 2 busy cores); Python compiles the modules a session imports when it first imports them.
+    It must be let write them: with PYTHONDONTWRITEBYTECODE set (as on this project's machines), every process
+    would compile torch and transformers again, 7 s each, and the tests start hundreds of processes."""
+    session.env["PYTHONDONTWRITEBYTECODE"] = ""  # empty: unset, for Python
     session.install("--no-compile", *args, env=env)
 
 
