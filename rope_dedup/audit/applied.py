@@ -191,8 +191,8 @@ class _Interpreter(torch.fx.Interpreter):
         # for ``self`` in a frame dynamo began inside an attention module after a graph break.
         self.roots: dict[str, str] = {}
         self.candidates: list[_Candidate] = []
-        # multiply -> (its table operand, its other operand, the candidate kept): the rotations compiled.py checks
-        self.multiplies: dict[torch.fx.Node, tuple[torch.fx.Node, torch.fx.Node, _Candidate]] = {}
+        # multiply by a table -> (its other operand, the candidate kept): the rotations compiled.py checks
+        self.multiplies: dict[torch.fx.Node, tuple[torch.fx.Node, _Candidate]] = {}
         self._seen: set[torch.fx.Node] = set()
 
     def run_node(self, node: torch.fx.Node) -> Any:
@@ -273,7 +273,7 @@ class _Interpreter(torch.fx.Interpreter):
         ))
         partner = next(a for a in multiply.args if a is not node)
         if rotation is None and isinstance(partner, torch.fx.Node):
-            self.multiplies[multiply] = (node, partner, self.candidates[-1])
+            self.multiplies[multiply] = (partner, self.candidates[-1])
 
     def provenance(self, ancestors: list[torch.fx.Node]) -> tuple[str | None, torch.dtype | None]:
         """(where a value was computed and from what state, the dtype of its angles) from its ancestors: a

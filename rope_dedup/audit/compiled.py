@@ -61,21 +61,21 @@ class CompiledCheck:
         return self.verdict == "differs"
 
 
-def rotations(gm: torch.fx.GraphModule, multiplies: dict[torch.fx.Node, tuple[torch.fx.Node, torch.fx.Node, Any]],
+def rotations(gm: torch.fx.GraphModule, multiplies: dict[torch.fx.Node, tuple[torch.fx.Node, Any]],
               is_rope: Callable[[Any], bool]) -> list[Rotation]:
-    """The rotations in ``gm``: ``multiplies`` maps each multiply by a table-shaped operand to (that operand,
-    the other one, the applied candidate: layer, source, value, position ids); ``is_rope(candidate)`` says
+    """The rotations in ``gm``: ``multiplies`` maps each multiply by a table-shaped operand to (the other
+    operand, the applied candidate: layer, source, value, position ids); ``is_rope(candidate)`` says
     whether the operand is a RoPE table."""
-    multiplies = {node: entry for node, entry in multiplies.items() if is_rope(entry[2])}
+    multiplies = {node: entry for node, entry in multiplies.items() if is_rope(entry[1])}
     found: list[Rotation] = []
     for node in gm.graph.nodes:
         sign = _COMBINE.get(node.target) if node.op in ("call_function", "call_method") else None
         if sign is not None and len(node.args) == 2 and all(a in multiplies for a in node.args):
-            (_, x, first), (_, rotated, second) = multiplies[node.args[0]], multiplies[node.args[1]]
+            (x, first), (rotated, second) = multiplies[node.args[0]], multiplies[node.args[1]]
             found.append(Rotation(first.layer, first.source, node, x, first.value, rotated, second.value, sign,
                                   tuple(first.position_ids)))
-        elif node in multiplies and multiplies[node][2].value.is_complex():
-            _, x, candidate = multiplies[node]
+        elif node in multiplies and multiplies[node][1].value.is_complex():
+            x, candidate = multiplies[node]
             found.append(Rotation(candidate.layer, candidate.source, node, x, candidate.value,
                                   positions=tuple(candidate.position_ids)))
     return found
@@ -166,15 +166,17 @@ def _compare(rotation: Rotation, values: dict[torch.fx.Node, torch.Tensor], max_
         # kernel, or the other way round: a few ulps of the values' dtype, as an angle.
         rounding = 2 * eps * ((x * cos).abs() + (rotated * sin).abs() + y.to(torch.float64).abs())
         allowed = torch.where(steep, rounding / slope.clamp_min(1e-300), torch.zeros_like(slope))
-    excess = angle - allowed.clamp_min(max_angle_error)
-    flat = int(excess.reshape(-1).argmax()) if excess.numel() else 0
-    worst_angle = float(angle.reshape(-1)[flat]) if angle.numel() else 0.0
-    position = _position_of(rotation, angle.shape, flat)
-    if not excess.numel() or float(excess.reshape(-1)[flat]) <= 0:
-        top = int(angle.reshape(-1).argmax()) if angle.numel() else 0
-        return CompiledCheck(rotation.layer, rotation.source, float(angle.reshape(-1)[top]) if angle.numel() else 0.0,
-                             _position_of(rotation, angle.shape, top), float(allowed.reshape(-1)[top]) if angle.numel() else 0.0,
+    if not angle.numel():
+        return CompiledCheck(rotation.layer, rotation.source, 0.0, _position_of(rotation, angle.shape, 0), 0.0,
                              "matches eager")
+    excess = (angle - allowed.clamp_min(max_angle_error)).reshape(-1)
+    flat = int(excess.argmax())
+    if float(excess[flat]) <= 0:  # within bounds: the worst angle, for information
+        flat = int(angle.reshape(-1).argmax())
+        return CompiledCheck(rotation.layer, rotation.source, float(angle.reshape(-1)[flat]),
+                             _position_of(rotation, angle.shape, flat), float(allowed.reshape(-1)[flat]),
+                             "matches eager")
+    worst_angle, position = float(angle.reshape(-1)[flat]), _position_of(rotation, angle.shape, flat)
     cause = _cause(rotation, values)
     return CompiledCheck(rotation.layer, rotation.source, worst_angle, position, float(allowed.reshape(-1)[flat]),
                          "differs", cause,
@@ -184,18 +186,19 @@ def _compare(rotation: Rotation, values: dict[torch.fx.Node, torch.Tensor], max_
 
 def _cause(rotation: Rotation, values: dict[torch.fx.Node, torch.Tensor]) -> str:
     """Whether the compiled rotation is eager's with its tables rounded to a half dtype: a cast the compile moved."""
-    y = values[rotation.y].to(torch.float64 if rotation.rotated is not None else torch.complex128)
+    complex_ = rotation.rotated is None
+    y = values[rotation.y].to(torch.complex128 if complex_ else torch.float64)
+    x = values[rotation.x].to(torch.complex128 if complex_ else torch.float64)
+    rotated = None if complex_ else values[rotation.rotated].to(torch.float64)  # type: ignore[index]
+    tolerance = 4 * torch.finfo(torch.float64).eps + 2 * torch.finfo(values[rotation.y].dtype.to_real()).eps
     for half in (torch.bfloat16, torch.float16):
         name = str(half).removeprefix("torch.")
-        if rotation.rotated is None:
-            table = torch.complex(rotation.table.real.to(half).double(), rotation.table.imag.to(half).double())
-            expected = values[rotation.x].to(torch.complex128) * table
+        if complex_:
+            expected = x * torch.complex(rotation.table.real.to(half).double(), rotation.table.imag.to(half).double())
         else:
-            x, rotated = values[rotation.x].to(torch.float64), values[rotation.rotated].to(torch.float64)
-            expected = x * rotation.table.to(half).double() + rotation.sign * rotated * rotation.partner.to(half).double()  # type: ignore[union-attr]
+            expected = x * rotation.table.to(half).double() + rotation.sign * rotated * rotation.partner.to(half).double()  # type: ignore[union-attr,operator]
         scale = expected.abs().max().clamp_min(1e-30)
-        if float((y - expected).abs().max() / scale) <= 4 * torch.finfo(y.real.dtype if y.is_complex() else y.dtype).eps \
-                + 2 * torch.finfo(values[rotation.y].dtype.to_real()).eps:
+        if float((y - expected).abs().max() / scale) <= tolerance:
             return f"the compiled graph applies the table rounded to {name} where eager applies it unrounded"
     return "the compiled graph computes the rotation at another precision than eager (a cast dropped or moved)"
 

@@ -122,18 +122,19 @@ def reference_for(spec: RopeSpec | None, key: RopeKey, length: int) -> Reference
         return f"rotary dim {key.dim} where {spec.rotary_dim} is expected (see the mismatch): no reference of its dim"
     dim = key.dim
     context = getattr(getattr(spec, "config", None), "max_position_embeddings", None)
+    exponent_dim, scaling = _exponent_dim(spec, dim), _scaling(spec)
     if isinstance(spec, ConfigSpec) and spec.init is not None:
         inv_freq, amplitude = _call_init(spec.init, spec.config, spec.layer_type, length)
         inv_freq = inv_freq.to(torch.float32)
     else:
-        inv_freq, amplitude = _frequencies(spec.theta, _exponent_dim(spec, dim), _scaling(spec), spec.attention_factor,
-                                           length, dtype=torch.float32)
+        inv_freq, amplitude = _frequencies(spec.theta, exponent_dim, scaling, spec.attention_factor, length,
+                                           dtype=torch.float32)
     if 2 * inv_freq.numel() != dim:
         return f"the reference has {inv_freq.numel()} frequencies for a table of {dim // 2}"
     exact, exact_amplitude = None, float(amplitude)
     if not isinstance(spec, ConfigSpec) or spec.rope_type == "default" or spec.rope_type in SCALING_TYPES:
-        exact, exact_amplitude = _frequencies(spec.theta, _exponent_dim(spec, dim), _scaling(spec),
-                                              spec.attention_factor, length, dtype=torch.float64)
+        exact, exact_amplitude = _frequencies(spec.theta, exponent_dim, scaling, spec.attention_factor, length,
+                                              dtype=torch.float64)
         if exact.numel() != inv_freq.numel():
             exact = None
     factor = float(torch.tensor(amplitude, dtype=torch.float32, device="cpu"))
@@ -255,7 +256,6 @@ def _reference_values(reference: Reference, positions: torch.Tensor, parts: tupl
     if exact:
         freqs, amplitude = reference.exact.to(positions.device), reference.exact_amplitude  # type: ignore[union-attr]
         angles = positions.to(torch.float64)[:, None] * freqs
-        compute = torch.float64
     else:
         freqs = (reference.inv_freq if inv_freq is None else inv_freq).to(positions.device)
         p = positions.to(torch.float32)
@@ -263,7 +263,6 @@ def _reference_values(reference: Reference, positions: torch.Tensor, parts: tupl
             p = p.to(position_dtype).to(torch.float32)
         angles = torch.outer(p, freqs.to(torch.float32))
         amplitude = reference.amplitude if reference.amplitude is not None else 1.0
-        compute = torch.float32
     values: dict[str, torch.Tensor] = {}
     if polar and not exact:
         table = torch.polar(torch.full_like(angles, amplitude), angles)
@@ -271,9 +270,9 @@ def _reference_values(reference: Reference, positions: torch.Tensor, parts: tupl
         parts = ()
     for part in parts:
         if part == "angle":
-            value = angles.to(compute)
+            value = angles
         else:
-            value = (angles.cos() if part == "cos" else angles.sin()).to(compute)
+            value = angles.cos() if part == "cos" else angles.sin()  # in the angles' dtype
             if amplitude != 1.0:
                 value = value * amplitude
         values[part] = value

@@ -150,9 +150,10 @@ class BuilderWrites(TorchDispatchMode):
         out = func(*args, **kwargs)
         if self._watched and func._schema.is_mutable:
             for arg in written_arguments(func, args, kwargs):
-                if type(arg) is torch.Tensor and arg.layout == torch.strided and not arg.is_meta and \
-                        _memory(arg) in self._watched:
-                    self._adopt(_memory(arg))
+                if type(arg) is torch.Tensor and arg.layout == torch.strided and not arg.is_meta:
+                    memory = _memory(arg)
+                    if memory in self._watched:
+                        self._adopt(memory)
         return out
 
     def _adopt(self, memory: tuple) -> None:
@@ -229,7 +230,7 @@ def _other_views(*models: torch.nn.Module) -> dict[int, str]:
     for model in models:
         for path, tensor, _, _, _ in module_state(model):
             if is_plain(tensor) and not tensor.is_meta and tensor.untyped_storage().data_ptr():
-                memory = (tensor.device, tensor.untyped_storage().data_ptr())
+                memory = _memory(tensor)
                 view = (tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype)
                 views.setdefault(memory, {}).setdefault(view, path)
                 tensors.append((tensor, memory, view))

@@ -141,8 +141,9 @@ def check_positions(positions: torch.Tensor, length: int, dim: int, op: str, tab
     tracing = is_fake(positions) or get_proxy_mode() is not None
     if not tracing and positions.device.type == "cpu":
         if positions.numel():
-            bad = positions[(positions < low) | (positions >= length)]
-            if bad.numel():
+            least, most = torch.aminmax(positions)  # one pass; the mask only to name the first bad one
+            if int(least) < low or int(most) >= length:
+                bad = positions[(positions < low) | (positions >= length)]
                 raise IndexError(message.format(p=int(bad[0]), dim=dim, length=length) + where)
         return positions
     inside = ((positions >= low) & (positions < length)).all()

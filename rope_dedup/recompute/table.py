@@ -26,6 +26,7 @@ regional compile does not recompile per layer.
 from __future__ import annotations
 
 import copy
+import functools
 import hashlib
 import threading
 import warnings
@@ -589,13 +590,18 @@ def _argument(func: Any, args: tuple, kwargs: dict, index: int) -> Any:
 
 # -- writes ----------------------------------------------------------------------------------------------------
 
+@functools.cache
+def _written_indices(func: Any) -> tuple[int, ...]:
+    """Which arguments ``func``'s schema writes: read once per op, since every op on a table asks."""
+    return tuple(i for i, a in enumerate(func._schema.arguments) if a.alias_info is not None and a.alias_info.is_write)
+
+
 def written_arguments(func: Any, args: tuple, kwargs: dict) -> list[Any]:
     """The arguments ``func``'s schema writes."""
     found: list[Any] = []
-    for i, argument in enumerate(func._schema.arguments):
-        if argument.alias_info is not None and argument.alias_info.is_write:
-            value = args[i] if i < len(args) else kwargs.get(argument.name)
-            found.extend(value if isinstance(value, (list, tuple)) else [value])
+    for i in _written_indices(func):
+        value = _argument(func, args, kwargs, i)
+        found.extend(value if isinstance(value, (list, tuple)) else [value])
     return found
 
 
@@ -653,10 +659,9 @@ def _returned(func: Any, args: tuple, kwargs: dict, out: Any) -> Any:
     returns = func._schema.returns
     if not returns or any(r.alias_info is None or not r.alias_info.is_write for r in returns):
         return out
-    by_alias = {}
-    for i, argument in enumerate(func._schema.arguments):
-        if argument.alias_info is not None and argument.alias_info.is_write:
-            by_alias[frozenset(argument.alias_info.before_set)] = _argument(func, args, kwargs, i)
+    arguments = func._schema.arguments
+    by_alias = {frozenset(arguments[i].alias_info.before_set): _argument(func, args, kwargs, i)
+                for i in _written_indices(func)}
     found = [by_alias[frozenset(r.alias_info.before_set)] for r in returns]
     return found[0] if len(found) == 1 else tuple(found)
 
