@@ -32,8 +32,8 @@ def one_error_line(stderr: str, prog: str) -> str:
 def test_profile_writes_every_figure_and_the_plot(tmp_path, capsys) -> None:
     out, png = tmp_path / "profile.json", tmp_path / "profile.png"
     args = ["profile", "--inner", "eager", "--layers", "2", "--context", "512", "--head-dim", "32", "--steps", "3",
-            "--step-seconds", "0", "--modes", "compile,rope_dedup,regional", "--rounds", "5", "--json", str(out),
-            "--plot", str(png), "--timeout", "300"]
+            "--step-seconds", "0", "--modes", "compile,rope_dedup,regional", "--rounds", "5", "--copies", "3",
+            "--json", str(out), "--plot", str(png), "--timeout", "300"]
     assert main(args) == 0
     result = json.loads(out.read_text())
     modes = result["modes"]
@@ -53,9 +53,10 @@ def test_profile_writes_every_figure_and_the_plot(tmp_path, capsys) -> None:
     assert result["summary"]["rope_dedup_rope_bytes_vs_ideal"] == 1.0
     assert {t["target"] for t in result["targets"]} >= {"RoPE bytes after / ideal", "step time rope_dedup / alone",
                                                          "step time rope_dedup / alone, regional"}
-    # Step times come from one process, models in turns, beside an A/A control; memory from each mode's own.
+    # Step times come from one process, models in turns, against copies built apart; memory from each mode's own.
     turns = result["turns"]
-    assert set(turns["step_s"]) == {"alone", "alone, again", "alone, regional", "rope_dedup", "regional"}
+    assert set(turns["step_s"]) == {"alone 1", "alone 2", "alone 3", "alone, regional 1", "alone, regional 2",
+                                    "alone, regional 3", "rope_dedup", "regional"}
     assert turns["rounds"] == 5 and result["summary"]["step_ratio"] == turns["paired"]["rope_dedup"]["ratio"]
     assert result["summary"]["step_noise"] == turns["noise"] > 0
     assert turns["audit"]["mismatches"] == 0 and turns["audit"]["tables"] == 4
@@ -114,6 +115,7 @@ def test_cuda_without_cuda_is_one_line(capsys) -> None:
     (["--modes", "eager,jit"], "unknown mode(s) jit"),
     (["--layout", "lazy_cache"], "argument --layout: invalid choice: 'lazy_cache'"),
     (["--layers", "0"], "expected a positive integer, got 0"),
+    (["--copies", "2"], "argument --copies: expected 3 to 11, got 2"),
     (["--json", "/nonexistent/folder/out.json"], "folder /nonexistent/folder does not exist"),
 ])
 def test_bad_profile_options_are_one_line(args, message, capsys) -> None:

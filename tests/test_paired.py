@@ -1,7 +1,9 @@
-"""rope_dedup.tools.paired: models taken in turns, the paired ratio and its interval, the verdict, own code."""
+"""rope_dedup.tools.paired: models taken in turns, the paired ratio and its interval, A/A controls and their noise,
+the verdict, own code."""
 
 from __future__ import annotations
 
+import random
 import statistics
 
 import pytest
@@ -9,7 +11,8 @@ import torch
 from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
 from rope_dedup.testing import toy_decoder as toy
-from rope_dedup.tools.paired import Paired, own_code, take_turns, verdict
+from rope_dedup.tools.paired import (MAX_COPIES, MIN_COPIES, Paired, leave_one_out, mean_per_round, noise, own_code,
+                                     reading, take_turns, verdict)
 
 
 def test_models_take_turns_and_swap_order_every_round() -> None:
@@ -33,14 +36,54 @@ def test_the_ratio_is_the_median_of_per_round_ratios_with_its_interval() -> None
     burst = Paired.of([t * (5 if i == 7 else 1) for i, t in enumerate(slowed)],
                       [t * (5 if i == 7 else 1) for i, t in enumerate(reference)])
     assert burst == got
-    assert Paired(1.0, 0.99, 1.02, 10).spread == pytest.approx(0.02)
-    assert Paired(0.98, 0.97, 0.995, 10).spread == pytest.approx(0.03)
+
+
+def test_each_copy_reads_against_the_mean_of_the_others() -> None:
+    assert mean_per_round([[1.0, 2.0], [3.0, 4.0]]) == [2.0, 3.0]
+    with pytest.raises(ValueError):
+        mean_per_round([[1.0, 2.0], [3.0]])  # a round missing for one model is a bug, not a shorter mean
+    rounds = 9
+    copies = {"a": [1.0] * rounds, "b": [1.0] * rounds, "c": [1.06] * rounds}
+    controls = leave_one_out(copies)
+    assert controls["c"].ratio == pytest.approx(1.06)
+    assert controls["a"].ratio == pytest.approx(1 / 1.03)
+    with pytest.raises(ValueError, match="at least 2 copies"):
+        leave_one_out({"a": [1.0]})
+
+
+def test_the_noise_holds_99_percent_of_ratios_of_a_model_no_different() -> None:
+    """Copies and a candidate whose placement moves their step (sd 2%, plus round jitter): a candidate no different
+    from the copies reads beyond the noise in about 1% of runs, whatever the copies' number."""
+    rng = random.Random(0)
+    for copies in (MIN_COPIES, 5, MAX_COPIES):
+        beyond, runs = 0, 3000
+        for _ in range(runs):
+            def model() -> list[float]:
+                placement = rng.gauss(1.0, 0.02)
+                return [placement * rng.gauss(1.0, 0.002) for _ in range(5)]
+            times = {str(i): model() for i in range(copies)}
+            controls = [p.ratio for p in leave_one_out(times).values()]
+            ratio = Paired.of(model(), mean_per_round(list(times.values()))).ratio
+            beyond += abs(ratio - 1) > noise(controls, copies)
+        assert 0.003 < beyond / runs < 0.025, (copies, beyond / runs)
+
+
+def test_the_noise_needs_enough_copies() -> None:
+    with pytest.raises(ValueError, match=f"copies must be {MIN_COPIES} to {MAX_COPIES}"):
+        noise([1.0, 1.01, 0.99], MIN_COPIES - 1)
+    with pytest.raises(ValueError, match="at least 3 A/A controls"):
+        noise([1.0, 1.01], MIN_COPIES)
+
+
+@pytest.mark.parametrize("ratio, expected", [(1.00, "met"), (1.019, "met"), (0.97, "met"), (1.021, "not met")])
+def test_a_target_fails_only_beyond_its_limit_plus_the_noise(ratio: float, expected: str) -> None:
+    assert verdict(ratio, 1.0, 0.02) == expected
 
 
 @pytest.mark.parametrize("ratio, expected", [(1.00, "within noise"), (1.019, "within noise"), (0.981, "within noise"),
-                                             (1.03, "not met"), (0.97, "met")])
-def test_verdict_against_the_control_spread(ratio: float, expected: str) -> None:
-    assert verdict(ratio, 1.0, 0.02) == expected
+                                             (1.021, "slower beyond the noise"), (0.979, "faster beyond the noise")])
+def test_a_ratio_reads_against_one_and_the_noise(ratio: float, expected: str) -> None:
+    assert reading(ratio, 0.02) == expected
 
 
 def test_own_code_gives_each_model_its_own_compiled_entries() -> None:

@@ -22,6 +22,7 @@ from rope_dedup.audit.precision import DEFAULT_MAX_ANGLE_ERROR
 from rope_dedup.core.text import TEXT_WIDTH, Table
 from rope_dedup.tools import profile as prof
 from rope_dedup.tools.factories import FactoryError, NoInputs, load_factory, model_and_inputs, model_of
+from rope_dedup.tools.paired import MAX_COPIES, MIN_COPIES
 from rope_dedup.tools.render import headline, markdown, print_table, profile_notes, profile_tables
 
 USAGE_ERROR, RUN_ERROR = 2, 1
@@ -63,8 +64,8 @@ def _parser() -> argparse.ArgumentParser:
                     "or by default a toy decoder whose attention layers each own a RoPE table: torch.compile "
                     "with the inner backend alone, with rope_dedup, and in recompute mode (also eager, regional "
                     "compile, share(), sharing() with --modes), each mode's memory in a fresh process; then the "
-                    "step time of every compiled mode against the inner backend alone and an A/A control, "
-                    "called in turns in one process, and the static audit of the model. Toy options override "
+                    "step time of every compiled mode against copies of the inner backend alone built apart (A/A "
+                    "controls), called in turns in one process, and the static audit of the model. Toy options override "
                     "the preset.")
     p.add_argument("factory", metavar="MODULE:FACTORY", nargs="?",
                    help="your model, e.g. my_pkg.models:build or path/to/model.py:build (default: the toy decoder)")
@@ -94,6 +95,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=_count,
                    help="rounds of the step-time comparison, every model called once per round (default 200; 0: "
                         "memory only, no step-time comparison)")
+    p.add_argument("--copies", type=_copies,
+                   help=f"copies of the inner backend alone, built apart, that step times read against; their "
+                        f"spread is the noise ({MIN_COPIES} to {MAX_COPIES}, default 6)")
     p.add_argument("--seq", type=_positive_int, help="tokens per step")
     p.add_argument("--batch", type=_positive_int, help="sequences per step")
     p.add_argument("--threads", type=_positive_int, help="intra-op threads per child (default 1)")
@@ -158,6 +162,13 @@ def _count(text: str) -> int:
     value = int(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"expected 0 or a positive integer, got {text}")
+    return value
+
+
+def _copies(text: str) -> int:
+    value = int(text)
+    if not MIN_COPIES <= value <= MAX_COPIES:
+        raise argparse.ArgumentTypeError(f"expected {MIN_COPIES} to {MAX_COPIES}, got {text}")
     return value
 
 
@@ -226,7 +237,7 @@ _TOY_OPTIONS = ("preset", "layers", "context", "head_dim", "heads", "dtype", "la
 
 def _profile_config(args: argparse.Namespace) -> prof.ProfileConfig:
     common = dict(device=args.device, inner=args.inner, modes=args.modes, steps=args.steps,
-                  step_seconds=args.step_seconds, rounds=args.rounds, threads=args.threads, regional=args.regional,
+                  step_seconds=args.step_seconds, rounds=args.rounds, copies=args.copies, threads=args.threads, regional=args.regional,
                   train=args.train or None)
     if args.factory is not None:
         toy_only = [f"--{name.replace('_', '-')}" for name in _TOY_OPTIONS

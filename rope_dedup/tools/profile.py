@@ -10,9 +10,10 @@ is read per phase (``getrusage``, with the high-water mark reset between phases 
 memory the compiled model runs in.
 
 Step time is measured otherwise: one more child (:data:`TURNS`) builds the model once per compiled mode, plus
-the inner backend alone twice (an A/A control), and calls them in turns, round after round
-(:mod:`rope_dedup.tools.paired`). Each ratio is the median of per-round ratios, judged against the
-control's spread; the same child runs the static audit of the model.
+several copies of the inner backend alone built apart, and calls them in turns, round after round
+(:mod:`rope_dedup.tools.paired`). Each ratio is the median of per-round ratios over the copies' mean, judged
+against the noise the copies read against each other (A/A controls); the same child runs the static audit of
+the model.
 
 Setting ``ROPE_DEDUP_PROFILE_OOM=MODE[,MODE]`` makes those modes' children request an impossible
 allocation after building the model: the real allocator failure path, for tests and for checking
@@ -22,7 +23,6 @@ how a failure is shown.
 from __future__ import annotations
 
 import contextlib
-import copy
 import itertools
 import json
 import os
@@ -45,7 +45,8 @@ import torch
 from rope_dedup.core.memory import TRIM_THRESHOLD_BYTES
 from rope_dedup.testing import toy_decoder as toy
 from rope_dedup.tools.factories import build as build_from_factory, one_line
-from rope_dedup.tools.paired import Paired, cpu_timer, cuda_timer, own_code, take_turns, verdict
+from rope_dedup.tools.paired import (MAX_COPIES, MIN_COPIES, Paired, cpu_timer, cuda_timer, leave_one_out,
+                                     mean_per_round, noise, own_code, take_turns, verdict)
 from rope_dedup.tensors import same_values
 
 MODES = ("eager", "compile", "rope_dedup", "regional", "share", "sharing", "recompute")
@@ -67,7 +68,7 @@ class ProfileConfig:
     layers: int = 8
     context: int = 131072
     head_dim: int = 128
-    heads: int = 2
+    heads: int = 4
     dtype: str = "float32"
     layout: str = "cos_sin"
     pattern: str = "homogeneous"
@@ -79,10 +80,15 @@ class ProfileConfig:
     steps: int = 20  # steps of each memory child, after its first call: the memory it runs in
     step_seconds: float = 1.0  # and stepping lasts at least this long: sub-ms steps need a window wider than a load burst
     rounds: int = 200  # rounds of the step-time child, every timed model called once per round; 0: no step-time child
+    copies: int = 6  # copies of the inner backend alone, built apart, that the step-time child's ratios read against
     threads: int = 1  # one intra-op thread: step times on a shared 2-core machine stay comparable
     factory: str | None = None  # MODULE:FACTORY returning (model, example_inputs); None: the toy decoder above
     regional: str = "layers"  # the ModuleList whose blocks the regional mode compiles one by one
     train: bool = False  # a step is forward, backward and an AdamW step instead of a no-grad forward
+
+    def __post_init__(self) -> None:
+        if not MIN_COPIES <= self.copies <= MAX_COPIES:
+            raise ValueError(f"copies must be {MIN_COPIES} to {MAX_COPIES}, got {self.copies}")
 
 
 PRESETS = {
@@ -219,10 +225,16 @@ def _current_rss() -> int | None:
 
 def _state_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
     """Buffers and plain tensor attributes (GPT-J keeps its table as one), not parameters."""
-    tensors = list(model.buffers())
-    for module in model.modules():
-        tensors += [v for v in vars(module).values() if isinstance(v, torch.Tensor)]
-    return tensors
+    return list(_named_state_tensors(model).values())
+
+
+def _named_state_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """:func:`_state_tensors` by qualified name."""
+    named = dict(model.named_buffers(remove_duplicate=False))
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        named.update({f"{prefix}.{key}" if prefix else key: value for key, value in vars(module).items()
+                      if isinstance(value, torch.Tensor)})
+    return named
 
 
 def _prepare(mode: str, model: torch.nn.Module, config: ProfileConfig,
@@ -462,37 +474,47 @@ def measure(config: ProfileConfig, mode: str) -> dict[str, Any]:
     }
 
 
-# The step-time child's models: each timed mode's reference (the inner backend alone, built and compiled the same
-# way), and the A/A control, a second copy of the whole-model reference.
-ALONE, ALONE_AGAIN, ALONE_REGIONAL = "alone", "alone, again", "alone, regional"
-REFERENCE = {"rope_dedup": ALONE, "recompute": ALONE, "regional": ALONE_REGIONAL, ALONE_AGAIN: ALONE}
+# The step-time child's references: copies of the inner backend alone, built apart and compiled the same way, whole
+# or block by block; a candidate reads against the mean of its reference's copies in each round.
+ALONE, ALONE_REGIONAL = "alone", "alone, regional"
+REFERENCE = {"rope_dedup": ALONE, "recompute": ALONE, "regional": ALONE_REGIONAL}
+OTHERS = "the other copies"  # each copy's reference: the mean of its group's other copies
+
+
+def copy_name(group: str, i: int) -> str:
+    """The step-time child's name of copy ``i`` (from 1) of the reference ``group``."""
+    return f"{group} {i}"
 
 
 def measure_turns(config: ProfileConfig) -> dict[str, Any]:
     """Step time of every timed mode of ``config`` against the inner backend alone, in turns in this process,
-    with an A/A control; and the static audit of the model as built. Every figure as a dict.
+    with A/A controls; and the static audit of the model as built. Every figure as a dict.
 
-    The references' copies hold the very tensors of the first reference's RoPE tables: each is still one table
-    per layer, as the inner backend alone runs it, without another copy of every table in memory."""
+    Each reference is ``config.copies`` copies built apart: their own weights and code objects, where each
+    landed in memory, so the controls carry the noise a candidate's placement does. Copies point their RoPE
+    tables at the first copy's: still one table per layer, as the inner backend alone runs it, without another
+    copy of every table in memory."""
     torch.set_num_threads(config.threads)
     modes = timed_modes(config)
-    reference, inputs, tables = build_inputs(config)
-    audit = audit_model(reference, config)
-    kept = {id(t): t for t in tables}
-    models = {ALONE: reference, ALONE_AGAIN: copy.deepcopy(reference, dict(kept))}
+    first, inputs, tables = build_inputs(config)
+    audit = audit_model(first, config)
+    groups = {ALONE: [copy_name(ALONE, i + 1) for i in range(config.copies)]}
     if "regional" in modes:
-        models[ALONE_REGIONAL] = copy.deepcopy(reference, dict(kept))
+        groups[ALONE_REGIONAL] = [copy_name(ALONE_REGIONAL, i + 1) for i in range(config.copies)]
     steps: dict[str, Callable[[], torch.Tensor]] = {}
     outputs: dict[str, torch.Tensor] = {}
     first_call: dict[str, float] = {}
-    for name in [*models, *modes]:
-        model = models[name] if name in models else build_inputs(config)[0]
-        regional = name in ("regional", ALONE_REGIONAL)
+    references = {name: group for group, names in groups.items() for name in names}
+    for name in [*references, *modes]:
+        model = first if name == copy_name(ALONE, 1) else build_inputs(config)[0]
+        if name in references and model is not first:
+            _adopt_tables(model, first, tables)
+        regional = name == "regional" or references.get(name) == ALONE_REGIONAL
         if regional:
             own_code(*_blocks_by_class(regional_blocks(model, config.regional)))
         else:
             own_code(model)
-        if name in models:
+        if name in references:
             run: Callable = _compiled_alone(model, config, regional)
         else:
             run = _prepare(name, model, config, None)[0]
@@ -500,20 +522,39 @@ def measure_turns(config: ProfileConfig) -> dict[str, Any]:
         started = time.perf_counter()  # the first call compiles; a candidate built unshared shares here
         outputs[name] = steps[name]()
         first_call[name] = time.perf_counter() - started
+    del first, tables
     rounds = take_turns(steps, config.rounds, timer=cuda_timer if config.device == "cuda" else cpu_timer)
-    paired = {name: Paired.of(rounds[name], rounds[REFERENCE[name]]) for name in [*modes, ALONE_AGAIN]}
+    paired: dict[str, Paired] = {}
+    for names in groups.values():
+        paired.update(leave_one_out({name: rounds[name] for name in names}))
+    controls = [paired[name].ratio for name in references]
+    for mode in modes:
+        paired[mode] = Paired.of(rounds[mode], mean_per_round([rounds[name] for name in groups[REFERENCE[mode]]]))
     return {
         "mode": TURNS,
         "step_s": {name: statistics.median(times) for name, times in rounds.items()},
         "paired": {name: asdict(p) for name, p in paired.items()},
-        "reference": {name: REFERENCE[name] for name in paired},
-        "noise": paired[ALONE_AGAIN].spread,
+        "reference": {name: REFERENCE.get(name, OTHERS) for name in paired},
+        "copies": config.copies,
+        "controls": {name: paired[name].ratio for name in references},
+        "noise": noise(controls, config.copies),
         "rounds": config.rounds,
         "first_call_s": first_call,
-        "max_abs_err_vs_alone": {name: float((out.float() - outputs[ALONE].float()).abs().max())
+        "max_abs_err_vs_alone": {name: float((out.float() - outputs[copy_name(ALONE, 1)].float()).abs().max())
                                  for name, out in outputs.items()},
         "audit": audit,
     }
+
+
+def _adopt_tables(model: torch.nn.Module, first: torch.nn.Module, tables: list[torch.Tensor]) -> None:
+    """Point ``model``'s RoPE tables (a copy built apart) at ``first``'s ``tables``, found by name: its own are
+    freed."""
+    wanted = {id(t) for t in tables}
+    theirs = {name: t for name, t in _named_state_tensors(first).items() if id(t) in wanted}
+    mine = _named_state_tensors(model)
+    with torch.no_grad():
+        for name, table in theirs.items():
+            mine[name].set_(table.untyped_storage(), table.storage_offset(), table.size(), table.stride())
 
 
 def _compiled_alone(model: torch.nn.Module, config: ProfileConfig, regional: bool) -> Callable:
@@ -706,7 +747,7 @@ def summarize(results: dict[str, dict], turns: dict[str, Any] | None = None) -> 
         summary["recompute_rope_bytes"] = recomputed["rope_bytes"]
     if turns is not None and "error" not in turns:
         summary["step_noise"] = turns["noise"]
-        summary["step_control"] = turns["paired"][ALONE_AGAIN]["ratio"]
+        summary["step_controls"] = list(turns["controls"].values())
         for mode, key in (("rope_dedup", "step_ratio"), ("regional", "regional_step_ratio"),
                           ("recompute", "recompute_step_ratio")):
             if mode in turns["paired"]:
@@ -764,21 +805,21 @@ TARGETS = (  # (summary key, label, limit, how it is judged)
     ("recompute_rope_bytes", "RoPE bytes left, recompute mode", 1024, "<="),
     ("recompute_step_ratio", "step time recompute / alone", 1.02, "<="),
 )
-# Ratios of step times: judged against the A/A control's spread (summary["step_noise"]), never alone.
+# Ratios of step times: judged against the A/A controls' noise (summary["step_noise"]), never alone.
 STEP_TARGETS = ("step_ratio", "regional_step_ratio", "recompute_step_ratio")
 
 
 def check_targets(summary: dict[str, Any]) -> list[tuple[str, str, float, float, str, str]]:
     """(summary key, label, measured, limit, comparison, verdict) for every target this run measured. The verdict
-    is ``met`` or ``not met``; a step-time ratio is ``within noise`` where the A/A control's spread covers the
-    limit."""
+    is ``met`` or ``not met``; a step-time ratio is ``not met`` only beyond its limit plus the A/A controls'
+    noise."""
     rows = []
     for key, label, limit, how in TARGETS:
         if key not in summary:
             continue
         value = summary[key]
         if key in STEP_TARGETS:
-            if "step_noise" in summary:  # without its A/A control (a result from separate processes): not judged
+            if "step_noise" in summary:  # without A/A controls (a result from separate processes): not judged
                 rows.append((key, label, value, limit, how, verdict(value, limit, summary["step_noise"])))
             continue
         met = abs(value - limit) < 1e-9 if how == "==" else value >= limit if how == ">=" else value <= limit
@@ -797,8 +838,13 @@ def mode_label(mode: str, inner: str) -> str:
 def turns_label(name: str, inner: str) -> str:
     """How a model of the step-time child is shown: a mode's label, or the inner backend alone's."""
     alone = mode_label("compile", inner)
-    return {ALONE: alone, ALONE_AGAIN: f"{alone}, again (A/A)", ALONE_REGIONAL: f"{alone} regional"}.get(
-        name) or mode_label(name, inner)
+    groups = {ALONE: f"{alone} alone", ALONE_REGIONAL: f"{alone} alone, regional"}
+    if name in groups:
+        return f"{groups[name]} (its copies' mean)"
+    if name == OTHERS:
+        return name
+    group, _, i = name.rpartition(" ")
+    return f"{groups[group]}, copy {i}" if group in groups else mode_label(name, inner)
 
 
 def describe_config(config: dict[str, Any]) -> str:
