@@ -7,8 +7,8 @@ round), so a burst of load hits all of them alike, and a ratio is the median ove
 over the reference's step in the same round.
 
 Turns do not cancel where a model landed in memory: two copies of one model, built apart, differ by 1% to 3%
-in one process. So the reference is several copies built apart, a round's reference step their mean, and
-each copy read against the others (A/A controls) tells how far a model no different from the reference
+in one process. So the reference is several copies built apart, the reference step of each round their mean,
+and each copy read against the others (A/A controls) tells how far a model no different from the reference
 may read from it (:func:`noise`).
 """
 

@@ -188,9 +188,10 @@ def _turns_table(turns: dict[str, Any], inner: str, train: bool) -> Table:
                  f"step: one {step}, median over rounds, every model called once per round (A B, then B A); "
                  f"÷ ref: the median of per-round ratios over the reference (ref) of the same round; 95% range: "
                  f"that median's confidence interval. The reference is {turns['copies']} copies of the {inner} "
-                 f"model, each built apart, a round's step their mean; each copy against the others' mean is an "
-                 f"A/A control. From the controls, ±{turns['noise']:.1%} here holds 95% of the ratios a model no "
-                 f"different from {inner} alone would read: the noise a step-time target is judged against.")
+                 f"model, each built apart, the reference step of each round their mean; each copy against the "
+                 f"others' mean is an A/A control. From the controls, ±{turns['noise']:.1%} here holds 99% of the "
+                 f"ratios a model no different from {inner} alone would read: the noise a step-time target is "
+                 f"judged against.")
 
 
 def _targets_table(targets: list[dict], summary: dict[str, Any], inner: str) -> Table:
