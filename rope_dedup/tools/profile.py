@@ -95,8 +95,10 @@ PRESETS = {
     "default": ProfileConfig(),
     # torchtitan's llama3 shape: 40 layers each holding a 128K x 64 complex64 freqs_cis (67 MB), ~2.7 GB of copies.
     # torchtitan compiles block by block, so the regional mode is part of this case.
+    # Three copies per reference: each copy of 40 layers compiles on its own, and the whole and regional copies'
+    # controls pool into one noise.
     "titan-128k": ProfileConfig(layers=40, context=131072, head_dim=128, heads=2, layout="complex",
-                                modes=("eager", "compile", "rope_dedup", "regional")),
+                                modes=("eager", "compile", "rope_dedup", "regional"), copies=3),
 }
 
 
