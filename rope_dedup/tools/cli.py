@@ -22,7 +22,7 @@ from rope_dedup.audit.precision import DEFAULT_MAX_ANGLE_ERROR
 from rope_dedup.core.text import TEXT_WIDTH, Table
 from rope_dedup.tools import profile as prof
 from rope_dedup.tools.factories import FactoryError, NoInputs, load_factory, model_and_inputs, model_of
-from rope_dedup.tools.paired import MAX_COPIES, MIN_COPIES
+from rope_dedup.tools.paired import MAX_COPIES, MIN_COPIES, check_copies
 from rope_dedup.tools.render import headline, markdown, print_table, profile_notes, profile_tables
 
 USAGE_ERROR, RUN_ERROR = 2, 1
@@ -65,8 +65,8 @@ def _parser() -> argparse.ArgumentParser:
                     "with the inner backend alone, with rope_dedup, and in recompute mode (also eager, regional "
                     "compile, share(), sharing() with --modes), each mode's memory in a fresh process; then the "
                     "step time of every compiled mode against copies of the inner backend alone built apart (A/A "
-                    "controls), called in turns in one process, and the static audit of the model. Toy options override "
-                    "the preset.")
+                    "controls), called in turns in one process, and the static audit of the model. Toy options "
+                    "override the preset.")
     p.add_argument("factory", metavar="MODULE:FACTORY", nargs="?",
                    help="your model, e.g. my_pkg.models:build or path/to/model.py:build (default: the toy decoder)")
     p.add_argument("--regional", metavar="PATH",
@@ -166,10 +166,10 @@ def _count(text: str) -> int:
 
 
 def _copies(text: str) -> int:
-    value = int(text)
-    if not MIN_COPIES <= value <= MAX_COPIES:
-        raise argparse.ArgumentTypeError(f"expected {MIN_COPIES} to {MAX_COPIES}, got {text}")
-    return value
+    try:
+        return check_copies(int(text))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {MIN_COPIES} to {MAX_COPIES}, got {text}") from None
 
 
 def _modes(text: str) -> tuple[str, ...]:
@@ -237,8 +237,8 @@ _TOY_OPTIONS = ("preset", "layers", "context", "head_dim", "heads", "dtype", "la
 
 def _profile_config(args: argparse.Namespace) -> prof.ProfileConfig:
     common = dict(device=args.device, inner=args.inner, modes=args.modes, steps=args.steps,
-                  step_seconds=args.step_seconds, rounds=args.rounds, copies=args.copies, threads=args.threads, regional=args.regional,
-                  train=args.train or None)
+                  step_seconds=args.step_seconds, rounds=args.rounds, copies=args.copies, threads=args.threads,
+                  regional=args.regional, train=args.train or None)
     if args.factory is not None:
         toy_only = [f"--{name.replace('_', '-')}" for name in _TOY_OPTIONS
                     if getattr(args, name) is not None and not (name == "preset" and args.preset == "default")]

@@ -115,15 +115,20 @@ _T_995 = {2: 9.925, 3: 5.841, 4: 4.604, 5: 4.032, 6: 3.707, 7: 3.499, 8: 3.355, 
 MIN_COPIES, MAX_COPIES = min(_T_995) + 1, max(_T_995) + 1
 
 
+def check_copies(copies: int) -> int:
+    """``copies`` if the noise can be read from that many copies of a reference, else a ValueError."""
+    if not MIN_COPIES <= copies <= MAX_COPIES:
+        raise ValueError(f"copies must be {MIN_COPIES} to {MAX_COPIES}, got {copies}")
+    return copies
+
+
 def noise(controls: list[float], copies: int) -> float:
     """Half-width around 1 of the 99% prediction interval of a ratio over the mean of ``copies`` copies, for one
     more model no different from them, from the A/A ``controls`` (each copy's ratio over the others' mean).
 
     A copy's placement moves its step by p (sd s, taken as normal). A control reads p_i less the others' mean:
     sd s * k / (k - 1), with k copies. A new model over all k copies' mean reads sd s * sqrt(1 + 1 / k)."""
-    k = copies
-    if not MIN_COPIES <= k <= MAX_COPIES:
-        raise ValueError(f"copies must be {MIN_COPIES} to {MAX_COPIES}, got {k}")
+    k = check_copies(copies)
     df = len(controls) - 1
     if df < 2:
         raise ValueError(f"the noise needs at least 3 A/A controls, got {len(controls)}")

@@ -45,8 +45,8 @@ import torch
 from rope_dedup.core.memory import TRIM_THRESHOLD_BYTES
 from rope_dedup.testing import toy_decoder as toy
 from rope_dedup.tools.factories import build as build_from_factory, one_line
-from rope_dedup.tools.paired import (MAX_COPIES, MIN_COPIES, Paired, cpu_timer, cuda_timer, leave_one_out,
-                                     mean_per_round, noise, own_code, take_turns, verdict)
+from rope_dedup.tools.paired import (Paired, check_copies, cpu_timer, cuda_timer, leave_one_out, mean_per_round, noise,
+                                     own_code, take_turns, verdict)
 from rope_dedup.tensors import same_values
 
 MODES = ("eager", "compile", "rope_dedup", "regional", "share", "sharing", "recompute")
@@ -87,8 +87,7 @@ class ProfileConfig:
     train: bool = False  # a step is forward, backward and an AdamW step instead of a no-grad forward
 
     def __post_init__(self) -> None:
-        if not MIN_COPIES <= self.copies <= MAX_COPIES:
-            raise ValueError(f"copies must be {MIN_COPIES} to {MAX_COPIES}, got {self.copies}")
+        check_copies(self.copies)
 
 
 PRESETS = {
@@ -529,7 +528,7 @@ def measure_turns(config: ProfileConfig) -> dict[str, Any]:
     paired: dict[str, Paired] = {}
     for names in groups.values():
         paired.update(leave_one_out({name: rounds[name] for name in names}))
-    controls = [paired[name].ratio for name in references]
+    controls = {name: paired[name].ratio for name in references}
     for mode in modes:
         paired[mode] = Paired.of(rounds[mode], mean_per_round([rounds[name] for name in groups[REFERENCE[mode]]]))
     return {
@@ -538,8 +537,8 @@ def measure_turns(config: ProfileConfig) -> dict[str, Any]:
         "paired": {name: asdict(p) for name, p in paired.items()},
         "reference": {name: REFERENCE.get(name, OTHERS) for name in paired},
         "copies": config.copies,
-        "controls": {name: paired[name].ratio for name in references},
-        "noise": noise(controls, config.copies),
+        "controls": controls,
+        "noise": noise(list(controls.values()), config.copies),
         "rounds": config.rounds,
         "first_call_s": first_call,
         "max_abs_err_vs_alone": {name: float((out.float() - outputs[copy_name(ALONE, 1)].float()).abs().max())
